@@ -1,0 +1,102 @@
+// kvevict_engine example CLI: continue a prompt with the stories260K model (full KV cache, no eviction).
+// Usage: generate [--model DIR] [--prompt TEXT] [--steps N] [--temperature T] [--seed S]
+// Build: g++ -std=c++17 -O2 -I/usr/include/eigen3 -DKVEVICT_SOURCE_DIR="\"$PWD\"" examples/engine/generate_main.cpp -o /tmp/generate
+#include "forward.hpp"
+#include "model_path.hpp"
+#include "tokenizer.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+using namespace kvevict_engine;
+
+namespace {
+int usage(const char* argv0, const std::string& why) {
+    if (!why.empty()) std::fprintf(stderr, "error: %s\n", why.c_str());
+    std::fprintf(stderr,
+                 "usage: %s [--model DIR] [--prompt TEXT] [--steps N] [--temperature T] [--seed S]\n"
+                 "  --model DIR      model folder (default: $KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K)\n"
+                 "  --prompt TEXT    prompt (default: empty, i.e. start from BOS)\n"
+                 "  --steps N        tokens to generate (default 64)\n"
+                 "  --temperature T  0 = greedy (default 0)\n"
+                 "  --seed S         RNG seed for sampling (default 42)\n",
+                 argv0);
+    return 2;
+}
+bool parse_number(const char* s, double& out) {
+    char* end = nullptr;
+    out = std::strtod(s, &end);
+    return end != s && *end == '\0';
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+    std::string model_flag, prompt;
+    int steps = 64;
+    float temperature = 0.0f;
+    unsigned seed = 42;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "-h" || a == "--help") return usage(argv[0], "");
+        if (i + 1 >= argc) return usage(argv[0], "missing value for " + a);
+        const char* v = argv[++i];
+        double x = 0;
+        if (a == "--model") model_flag = v;
+        else if (a == "--prompt") prompt = v;
+        else if (a == "--steps") {
+            if (!parse_number(v, x) || x < 0 || x > 1e6) return usage(argv[0], "--steps needs a count in 0..1000000");
+            steps = int(x);
+        } else if (a == "--temperature") {
+            if (!parse_number(v, x) || x < 0) return usage(argv[0], "--temperature needs a number >= 0");
+            temperature = float(x);
+        } else if (a == "--seed") {
+            if (!parse_number(v, x) || x < 0) return usage(argv[0], "--seed needs a non-negative integer");
+            seed = unsigned(x);
+        } else return usage(argv[0], "unknown option " + a);
+    }
+
+    const std::string dir = resolve_model_dir(model_flag);
+    model m;
+    if (load_result r = load_model(model_file(dir), m); !r) {
+        std::fprintf(stderr, "error: %s\n(model folder: %s; use --model DIR or KVEVICT_MODEL_DIR)\n", r.error.c_str(), dir.c_str());
+        return 1;
+    }
+    tokenizer tok;
+    if (load_result r = tok.load(tokenizer_file(dir), m.cfg.vocab_size); !r) {
+        std::fprintf(stderr, "error: %s\n", r.error.c_str());
+        return 1;
+    }
+
+    const std::vector<int> tokens = tok.encode(prompt);
+    kv_cache cache(m.cfg, int(tokens.size()) + steps);
+    std::vector<float> logits;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (result r = prefill(m, cache, tokens, logits); !r) {
+        std::fprintf(stderr, "error: %s\n", r.error.c_str());
+        return 1;
+    }
+    std::mt19937 rng(seed);
+    std::printf("%s", tok.decode(tokens).c_str());
+    int prev = tokens.back(), generated = 0;
+    while (generated < steps) {
+        const int next = sample(logits, temperature, rng);
+        if (next == tokenizer::bos || next == tokenizer::eos) break;  // llama2.c: BOS delimits stories
+        std::printf("%s", tok.decode_piece(prev, next).c_str());
+        std::fflush(stdout);
+        prev = next;
+        if (++generated == steps) break;  // no need to run the last token
+        if (result r = forward(m, cache, next, logits); !r) {
+            std::fprintf(stderr, "\nerror: %s\n", r.error.c_str());
+            return 1;
+        }
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("\n");
+    std::fprintf(stderr, "[%zu prompt tokens, %d generated, %.1f tok/s]\n", tokens.size(), generated,
+                 double(tokens.size() + size_t(generated)) / std::max(s, 1e-9));
+    if (int(tokens.size()) + generated > m.cfg.seq_len)
+        std::fprintf(stderr, "note: ran past the model's training context (%d tokens)\n", m.cfg.seq_len);
+    return 0;
+}

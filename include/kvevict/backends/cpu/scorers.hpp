@@ -1,0 +1,405 @@
+// IWYU pragma: private, include "kvevict/cpu.hpp"
+// CPU implementations of the scorer policies, one (sequence, KV head) at a time.
+// Output: G score rows (one per query head of the GQA group; query-free scorers write the
+// same row G times) of length L, fp32, finite; plus, on request, the adaptive-window drift
+// statistic of each query head.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "kvevict/backends/cpu/backend.hpp"
+#include "kvevict/backends/cpu/window_attention.hpp"
+#include "kvevict/core/inputs.hpp"
+#include "kvevict/core/workspace.hpp"
+
+namespace kvevict {
+namespace cpu {
+
+/// What a user-defined CPU scorer sees for one (sequence, KV head): fp32 row-major copies of
+/// the head's first L keys and values (L x head_dim) and of its group's window queries
+/// (G x w x head_dim, may be empty when the policy has no window). Plain pointers, no Eigen.
+struct head_inputs {
+  std::int64_t batch_index = 0, kv_head = 0;
+  std::int64_t length = 0;     ///< L
+  std::int64_t head_dim = 0;   ///< d
+  std::int64_t group_size = 0; ///< G
+  std::int64_t window = 0;     ///< w rows per query head (0 if no queries)
+  const float* keys = nullptr;     ///< L x d
+  const float* values = nullptr;   ///< L x d (null if the layer has no values)
+  const float* queries = nullptr;  ///< G x w x d
+};
+
+namespace detail {
+
+/// Detects a user scorer's CPU hook:
+///   static void score_kv_head(const params&, const cpu::head_inputs&, float* out /* L */);
+template <class S, class = void>
+struct has_cpu_hook : std::false_type {};
+template <class S>
+struct has_cpu_hook<S, std::void_t<decltype(S::score_kv_head(std::declval<const typename S::params&>(),
+                                                             std::declval<const head_inputs&>(),
+                                                             std::declval<float*>()))>> : std::true_type {};
+
+/// Per-thread scratch for scoring one KV head with up to `cap` tokens, window `w`, dim `d`.
+struct head_scratch {
+  float* kbuf = nullptr;   // cap x d
+  float* vbuf = nullptr;   // cap x d
+  float* ybuf = nullptr;   // cap x d   (V R^T)
+  float* qbuf = nullptr;   // G * w x d (staged queries)
+  float* logits = nullptr; // rb x cap
+  float* probs = nullptr;  // rb x cap
+  float* cross = nullptr;  // rb x cap  (before mode)
+  float* abar = nullptr;   // cap
+  float* acc = nullptr;    // cap
+  float* rowtmp = nullptr; // cap
+  std::int32_t* idx = nullptr;  // cap
+  float* st_max = nullptr;      // w
+  double* st_zo = nullptr;      // w
+  std::int32_t* st_arg = nullptr;  // w
+  float* st_c = nullptr;        // w (temporal weights)
+
+  template <class Carver>
+  void carve(Carver& c, std::int64_t cap, std::int64_t w, std::int64_t d, std::int64_t G) {
+    const std::int64_t rb = attention_row_block;
+    const std::size_t n = static_cast<std::size_t>(cap);
+    kbuf = c.template carve<float>(n * d);
+    vbuf = c.template carve<float>(n * d);
+    ybuf = c.template carve<float>(n * d);
+    qbuf = c.template carve<float>(static_cast<std::size_t>(G * std::max<std::int64_t>(w, 1) * d));
+    logits = c.template carve<float>(rb * n);
+    probs = c.template carve<float>(rb * n);
+    cross = c.template carve<float>(rb * n);
+    abar = c.template carve<float>(n);
+    acc = c.template carve<float>(n);
+    rowtmp = c.template carve<float>(n);
+    idx = c.template carve<std::int32_t>(n);
+    const std::size_t ws = static_cast<std::size_t>(std::max<std::int64_t>(w, 1));
+    st_max = c.template carve<float>(ws);
+    st_zo = c.template carve<double>(ws);
+    st_arg = c.template carve<std::int32_t>(ws);
+    st_c = c.template carve<float>(ws);
+  }
+};
+
+/// Everything the scorer of one KV head needs.
+template <class Policy, class T>
+struct head_job {
+  const layer_inputs<T>* in;
+  const typename Policy::params* p;
+  std::int64_t b, h;        ///< sequence, KV head
+  std::int64_t L;           ///< valid tokens
+  std::int64_t w;           ///< effective window rows min(W, L)
+  std::int64_t drift_topk;  ///< K for the adaptive-window drift (<= 0: not needed)
+};
+
+/// Norm of a d-vector in fp64 (no overflow for any finite fp32 input).
+inline double norm2_d(const float* x, std::int64_t d) {
+  double s = 0.0;
+  for (std::int64_t i = 0; i < d; ++i) s += static_cast<double>(x[i]) * x[i];
+  return std::sqrt(s);
+}
+
+template <class Scorer, class Temporal, class Policy, class T>
+void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows /* G x L */, double* drift /* G */) {
+  const layer_inputs<T>& in = *job.in;
+  const auto& P = *job.p;
+  const std::int64_t L = job.L, d = in.head_dim(), b = job.b, h = job.h;
+  const std::int64_t G = in.queries.data ? in.group_size() : 1;
+  const std::int64_t Gout = in.queries.data ? in.group_size() : 1;
+  (void)Gout;
+  // Keys of this head, fp32.
+  const T* kbase = in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1];
+  cmap_rm K = stage_rows(kbase, L, d, in.keys.stride[2], in.keys.stride[3], s.kbuf);
+
+  if constexpr (has_cpu_hook<Scorer>::value) {
+    head_inputs hi;
+    hi.batch_index = b;
+    hi.kv_head = h;
+    hi.length = L;
+    hi.head_dim = d;
+    hi.group_size = G;
+    hi.window = in.queries.data ? job.w : 0;
+    // hooks get contiguous copies
+    if (K.data() != s.kbuf) {
+      for (std::int64_t r = 0; r < L; ++r)
+        for (std::int64_t c = 0; c < d; ++c) s.kbuf[r * d + c] = K(r, c);
+    }
+    hi.keys = s.kbuf;
+    if (in.values.data) {
+      const T* vb = in.values.data + b * in.values.stride[0] + h * in.values.stride[1];
+      for (std::int64_t r = 0; r < L; ++r)
+        for (std::int64_t c = 0; c < d; ++c) s.vbuf[r * d + c] = to_float(vb[r * in.values.stride[2] + c * in.values.stride[3]]);
+      hi.values = s.vbuf;
+    }
+    if (in.queries.data) {
+      for (std::int64_t g = 0; g < G; ++g)
+        for (std::int64_t j = 0; j < job.w; ++j) {
+          const std::int64_t qrow = in.window() - job.w + j;
+          for (std::int64_t c = 0; c < d; ++c)
+            s.qbuf[(g * job.w + j) * d + c] = to_float(in.queries(b, h * G + g, qrow, c));
+        }
+      hi.queries = s.qbuf;
+    }
+    Scorer::score_kv_head(P.scorer, hi, rows);
+    for (std::int64_t n = 0; n < L; ++n) rows[n] = saturate(rows[n]);
+    for (std::int64_t g = 1; g < G; ++g) std::copy(rows, rows + L, rows + g * L);
+    for (std::int64_t g = 0; g < G; ++g) drift[g] = 0.0;
+    return;
+  } else if constexpr (std::is_same<Scorer, scorers::key_norm>::value) {
+    for (std::int64_t n = 0; n < L; ++n) {
+      double acc = 0.0;
+      for (std::int64_t c = 0; c < d; ++c) acc += static_cast<double>(K(n, c)) * K(n, c);
+      rows[n] = saturate(-std::sqrt(acc));
+    }
+    for (std::int64_t g = 1; g < G; ++g) std::copy(rows, rows + L, rows + g * L);
+    for (std::int64_t g = 0; g < G; ++g) drift[g] = 0.0;
+    return;
+  } else if constexpr (Scorer::window_attention) {
+    constexpr bool is_lor = std::is_same<Scorer, scorers::output_reconstruction>::value;
+    constexpr bool is_last = std::is_same<Scorer, scorers::last_query>::value;
+    const std::int64_t w = job.w;
+    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+    // Temporal weights c_j over the effective window.
+    for (std::int64_t j = 0; j < w; ++j)
+      s.st_c[j] = is_last ? (j == w - 1 ? 1.0f : 0.0f)
+                          : static_cast<float>(Temporal::weight(P.temporal, static_cast<int>(j), static_cast<int>(w)));
+    const std::int64_t row_begin = is_last ? w - 1 : 0;
+
+    // Values (scaled by a power of two into a safe range) and their projections.
+    float vscale = 1.0f;
+    cmap_rm V(nullptr, 0, 0, Eigen::OuterStride<>(1));
+    if constexpr (is_lor) {
+      const T* vbase = in.values.data + b * in.values.stride[0] + h * in.values.stride[1];
+      new (&V) cmap_rm(stage_rows(vbase, L, d, in.values.stride[2], in.values.stride[3], s.vbuf));
+      const float vmax = max_abs(V);
+      if (vmax > 0.0f && (vmax > 0x1p32f || vmax < 0x1p-32f)) {
+        int e;
+        std::frexp(vmax, &e);
+        vscale = std::ldexp(1.0f, e);
+        map_rm vs(s.vbuf, L, d, Eigen::OuterStride<>(d));
+        if (V.data() != s.vbuf) vs = V;
+        vs /= vscale;
+        new (&V) cmap_rm(s.vbuf, L, d, Eigen::OuterStride<>(d));
+      }
+    }
+    const float tau = [&] {
+      if constexpr (is_lor) return P.scorer.tau;
+      return 1.0f;
+    }();
+    const double out_scale = std::pow(static_cast<double>(vscale), static_cast<double>(tau));
+
+    for (std::int64_t g = 0; g < G; ++g) {
+      const std::int64_t hq = h * G + g;
+      float* out = rows + g * L;
+      // Stage this query head's window rows.
+      const T* qbase = in.queries.data + b * in.queries.stride[0] + hq * in.queries.stride[1] +
+                       (in.window() - w) * in.queries.stride[2];
+      cmap_rm Q = stage_rows(qbase, w, d, in.queries.stride[2], in.queries.stride[3], s.qbuf);
+      vec_map abar(s.abar, L);
+      abar.setZero();
+      double d_front = 0.0, d_rear = 0.0;
+      std::int64_t n_front = 0, n_rear = 0;
+      const bool want_drift = job.drift_topk > 0;
+
+      // W_O factor of this query head (identity in value space).
+      const bool use_r = [&] {
+        if constexpr (is_lor) return P.scorer.use_wo;
+        return false;
+      }();
+      Eigen::MatrixXf R;  // d x d, small
+      if (use_r) {
+        R.resize(d, d);
+        for (std::int64_t r = 0; r < d; ++r)
+          for (std::int64_t c = 0; c < d; ++c) R(r, c) = in.wo_factor(hq, r, c);
+      }
+      map_rm Y(s.ybuf, L, d, Eigen::OuterStride<>(d));
+      const bool before = [&] {
+        if constexpr (is_lor) return P.scorer.aggregation == scorers::output_reconstruction::mode::before;
+        return false;
+      }();
+      if constexpr (is_lor) {
+        if (use_r) Y.noalias() = V * R.transpose();
+        else Y = V;
+      }
+      Eigen::VectorXf ynorm2;
+      if (before) ynorm2 = Y.rowwise().squaredNorm();
+      vec_map acc(s.acc, L);
+      if (before) acc.setZero();
+
+      for (std::int64_t j0 = row_begin; j0 < w; j0 += attention_row_block) {
+        const std::int64_t rb = std::min(attention_row_block, w - j0);
+        row_stats st{s.st_max + j0, s.st_zo + j0, s.st_arg + j0};
+        attention_block(cmap_rm(Q.data() + j0 * Q.outerStride(), rb, d, Eigen::OuterStride<>(Q.outerStride())), K, L, w,
+                        j0, scale, s.logits, s.probs, st);
+        cmap_rm Pb(s.probs, rb, L, Eigen::OuterStride<>(L));
+        Eigen::Map<const Eigen::VectorXf> cb(s.st_c + j0, rb);
+        if (!before) abar.noalias() += Pb.transpose() * cb;
+        if (want_drift) {
+          for (std::int64_t r = 0; r < rb; ++r) {
+            const std::int64_t j = j0 + r;
+            const double mi = topk_mean_index(s.probs + r * L, L - w + j + 1, job.drift_topk, s.idx);
+            if (j < w / 2) {
+              d_front += mi;
+              ++n_front;
+            } else {
+              d_rear += mi;
+              ++n_rear;
+            }
+          }
+        }
+        if constexpr (is_lor) {
+          if (before) {
+            // z_j = A_j V, RZ_j = R z_j; dist^2 = |RZ_j|^2 - 2 RZ_j . Y_n + |Y_n|^2
+            mat_rm Zb = Pb * V;
+            mat_rm RZ = use_r ? mat_rm(Zb * R.transpose()) : Zb;
+            map_rm cross(s.cross, rb, L, Eigen::OuterStride<>(L));
+            cross.noalias() = RZ * Y.transpose();
+            for (std::int64_t r = 0; r < rb; ++r) {
+              const std::int64_t j = j0 + r;
+              const std::int64_t vis = L - w + j + 1;
+              const double rz2 = static_cast<double>(RZ.row(r).squaredNorm());
+              const float c = s.st_c[j];
+              if (c == 0.0f) continue;
+              const float* pr = s.probs + r * L;
+              const float* cr = s.cross + r * L;
+              const std::int32_t am = st.arg[r];
+              for (std::int64_t n = 0; n < vis; ++n) {
+                if (n == am || pr[n] == 0.0f) continue;
+                const double d2 = std::max(0.0, rz2 - 2.0 * cr[n] + ynorm2[n]);
+                const double dist = tau == 1.0f ? std::sqrt(d2) : std::pow(d2, 0.5 * tau);
+                s.acc[n] += c * static_cast<float>(pr[n] / (1.0 - pr[n]) * dist);
+              }
+              // Row argmax: a/(1-a) ||R(z - v)|| = a ||R(z_{-n} - v)||, z_{-n} without cancellation.
+              const float pm = pr[am];
+              double sc;
+              if (pm <= 15.0f / 16.0f) {
+                const double d2 = std::max(0.0, rz2 - 2.0 * cr[am] + ynorm2[am]);
+                const double dist = tau == 1.0f ? std::sqrt(d2) : std::pow(d2, 0.5 * tau);
+                sc = pm / (1.0 - pm) * dist;
+              } else {
+                const float* lr = s.logits + r * L;
+                float m2 = -std::numeric_limits<float>::infinity();
+                for (std::int64_t n = 0; n < vis; ++n)
+                  if (n != am) m2 = std::max(m2, lr[n]);
+                Eigen::VectorXd zhat = Eigen::VectorXd::Zero(d);
+                double den = 0.0;
+                for (std::int64_t n = 0; n < vis; ++n) {
+                  if (n == am) continue;
+                  const double e = std::exp(static_cast<double>(lr[n]) - m2);
+                  if (e == 0.0) continue;
+                  den += e;
+                  zhat += e * V.row(n).transpose().cast<double>();
+                }
+                if (den > 0.0) zhat /= den;
+                Eigen::VectorXd diff = zhat - V.row(am).transpose().cast<double>();
+                const double dist = use_r ? (R.cast<double>() * diff).norm() : diff.norm();
+                // log(1 - a) = log(z_other) - log(1 + z_other), z_other = e^(m2 - M) * den
+                const double log_zo = (static_cast<double>(m2) - st.max_logit[r]) + std::log(den);
+                const double log1m = log_zo - std::log1p(std::exp(log_zo));
+                const double a = 1.0 / (1.0 + std::exp(log_zo));
+                sc = a * std::exp((tau - 1.0) * log1m) * std::pow(dist, static_cast<double>(tau));
+              }
+              s.acc[am] += c * static_cast<float>(sc);
+            }
+            // a_bar (for nothing else than completeness of drift) is not needed in before mode
+          }
+        }
+      }
+
+      if constexpr (is_lor) {
+        if (before) {
+          for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(static_cast<double>(s.acc[n]) * out_scale);
+        } else {
+          // "after": z = sum_{n < zlim} a[n] v_n; s[n] = a/(1-a) ||R z - Y_n||^tau
+          const std::int64_t zlim = P.scorer.include_window_in_output ? L : L - w;
+          Eigen::VectorXf z = Eigen::VectorXf::Zero(d);
+          if (zlim > 0) z.noalias() = V.topRows(zlim).transpose() * abar.head(zlim);
+          Eigen::VectorXf rz = use_r ? Eigen::VectorXf(R * z) : z;
+          std::int64_t dom = 0;
+          for (std::int64_t n = 1; n < L; ++n)
+            if (s.abar[n] > s.abar[dom]) dom = n;
+          for (std::int64_t n = 0; n < L; ++n) {
+            const float a = s.abar[n];
+            if (a <= 0.0f) {
+              out[n] = 0.0f;
+              continue;
+            }
+            const double dist = (rz.transpose() - Y.row(n)).cast<double>().norm();
+            const double dd = tau == 1.0f ? dist : std::pow(dist, static_cast<double>(tau));
+            out[n] = saturate(static_cast<double>(a) / (1.0 - static_cast<double>(a)) * dd * out_scale);
+          }
+          if (s.abar[dom] > 15.0f / 16.0f) {
+            // Exact limit for the dominant token: a * (1-a)^(tau-1) * ||R(z_{-n} - v_n)||^tau with
+            // weights of the other tokens computed relative to their largest log-weight E.
+            const std::int64_t n0 = dom;
+            Eigen::VectorXd num = Eigen::VectorXd::Zero(d);
+            double den = 0.0, E = -std::numeric_limits<double>::infinity();
+            for (std::int64_t j0 = row_begin; j0 < w; j0 += attention_row_block) {
+              const std::int64_t rb = std::min(attention_row_block, w - j0);
+              row_stats st{s.st_max + j0, s.st_zo + j0, s.st_arg + j0};
+              attention_block(cmap_rm(Q.data() + j0 * Q.outerStride(), rb, d, Eigen::OuterStride<>(Q.outerStride())), K,
+                              L, w, j0, scale, s.logits, s.probs, st);
+              for (std::int64_t r = 0; r < rb; ++r) {
+                const std::int64_t j = j0 + r;
+                const double c = s.st_c[j];
+                if (c <= 0.0) continue;
+                const std::int64_t vis = L - w + j + 1;
+                const double lam = std::log(c) - std::log1p(st.z_other[r]) - st.max_logit[r];
+                const float* lr = s.logits + r * L;
+                double rmax = -std::numeric_limits<double>::infinity();
+                for (std::int64_t n = 0; n < vis; ++n)
+                  if (n != n0) rmax = std::max(rmax, static_cast<double>(lr[n]) + lam);
+                if (rmax == -std::numeric_limits<double>::infinity()) continue;
+                if (rmax > E) {
+                  const double f = std::exp(E - rmax);
+                  num *= f;
+                  den *= f;
+                  E = rmax;
+                }
+                for (std::int64_t n = 0; n < vis; ++n) {
+                  if (n == n0) continue;
+                  const double wgt = std::exp(static_cast<double>(lr[n]) + lam - E);
+                  if (wgt == 0.0) continue;
+                  den += wgt;
+                  if (n < zlim) num += wgt * V.row(n).transpose().cast<double>();
+                }
+              }
+            }
+            if (den > 0.0) {
+              Eigen::VectorXd diff = num / den - V.row(n0).transpose().cast<double>();
+              const double dist = use_r ? (R.cast<double>() * diff).norm() : diff.norm();
+              const double log1m = std::log(den) + E;
+              const double a = s.abar[n0];
+              const double sc = a * std::exp((tau - 1.0) * log1m) * std::pow(dist, static_cast<double>(tau));
+              out[n0] = saturate(sc * out_scale);
+            }
+          }
+        }
+      } else {
+        if constexpr (std::is_same<Scorer, scorers::accumulated_attention>::value) {
+          if (P.scorer.normalize_by_visible) {
+            for (std::int64_t n = 0; n < L; ++n) {
+              const std::int64_t first_row = std::max<std::int64_t>(0, n - (L - w));
+              const std::int64_t cnt = w - first_row;
+              s.abar[n] = cnt > 0 ? s.abar[n] / static_cast<float>(cnt) : 0.0f;
+            }
+          }
+        }
+        for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(s.abar[n]);
+      }
+      drift[g] = (n_front > 0 && n_rear > 0) ? d_front / n_front - d_rear / n_rear : 0.0;
+    }
+  } else {
+    static_assert(kvevict::detail::dependent_false<Scorer>,
+                  "kvevict: this Scorer has no CPU implementation (give it a static score_kv_head(params, "
+                  "cpu::head_inputs, float*) hook, see examples/custom_policy.cpp)");
+  }
+}
+
+}  // namespace detail
+}  // namespace cpu
+}  // namespace kvevict

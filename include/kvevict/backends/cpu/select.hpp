@@ -1,0 +1,105 @@
+// IWYU pragma: private, include "kvevict/cpu.hpp"
+// CPU budgeting and top-k selection with protected tokens.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kvevict/core/apportion.hpp"
+#include "kvevict/core/budget_rules.hpp"
+#include "kvevict/policies/budgeters.hpp"
+
+namespace kvevict {
+namespace cpu {
+namespace detail {
+
+/// score order: higher first, NaN below everything, ties to the lower index.
+inline bool score_before(float sa, std::int32_t a, float sb, std::int32_t b) {
+  const bool na = !(sa == sa), nb = !(sb == sb);
+  if (na != nb) return nb;  // a before b iff b is NaN and a is not
+  if (!na && sa != sb) return sa > sb;
+  return a < b;
+}
+
+/// Keep `budget` tokens of a head of length L (plan h) by the rule of selectors::topk; write the
+/// kept slots ascending to out. Returns the count written. scores may be null (no scorer):
+/// then only protected tokens can be kept (the budget equals them by construction).
+inline std::int64_t select_head(const kvevict::detail::head_plan& h, std::int64_t budget, const float* scores,
+                                std::int32_t* out, std::int32_t* idx_scratch) {
+  const std::int64_t L = h.length;
+  if (h.pass_through || budget >= L) {
+    for (std::int64_t i = 0; i < L; ++i) out[i] = static_cast<std::int32_t>(i);
+    return L;
+  }
+  const std::int64_t c0 = h.sinks, c1 = L - h.recent;  // candidates [c0, c1)
+  std::int64_t k = budget - h.protected_count();
+  if (k < 0) k = 0;
+  if (k > c1 - c0) k = c1 - c0;
+  std::int64_t n = 0;
+  for (std::int64_t i = 0; i < c0; ++i) out[n++] = static_cast<std::int32_t>(i);
+  if (k > 0) {
+    if (!scores) {  // no scores: keep the most recent candidates
+      for (std::int64_t i = c1 - k; i < c1; ++i) out[n++] = static_cast<std::int32_t>(i);
+    } else {
+      const std::int64_t m = c1 - c0;
+      for (std::int64_t i = 0; i < m; ++i) idx_scratch[i] = static_cast<std::int32_t>(c0 + i);
+      auto better = [scores](std::int32_t a, std::int32_t b) { return score_before(scores[a], a, scores[b], b); };
+      if (k < m) std::nth_element(idx_scratch, idx_scratch + (k - 1), idx_scratch + m, better);
+      std::sort(idx_scratch, idx_scratch + k);
+      for (std::int64_t i = 0; i < k; ++i) out[n++] = idx_scratch[i];
+    }
+  }
+  for (std::int64_t i = c1; i < L; ++i) out[n++] = static_cast<std::int32_t>(i);
+  return n;
+}
+
+/// AdaKV budgets for the heads of one sequence (heads = out rows of the layer for sequence b).
+/// plans[h], scores[h] (row of length >= plans[h].length), out budgets[h].
+inline void adakv_budgets(const budgeters::adakv::params& p, const kvevict::detail::head_plan* plans,
+                          const float* const* scores, std::int64_t heads, std::int64_t* budgets) {
+  std::int64_t T = 0;
+  std::vector<double> share(static_cast<std::size_t>(heads), 0.0);
+  std::vector<std::int64_t> cap(static_cast<std::size_t>(heads), 0), extra(static_cast<std::size_t>(heads), 0);
+  struct cand {
+    float s;
+    std::int32_t h, i;
+  };
+  std::vector<cand> all;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    const auto& pl = plans[h];
+    if (pl.pass_through) continue;
+    T += pl.base_budget - pl.protected_count();
+    cap[h] = pl.candidates();
+    for (std::int64_t i = pl.sinks; i < pl.length - pl.recent; ++i)
+      all.push_back(cand{scores[h][i], static_cast<std::int32_t>(h), static_cast<std::int32_t>(i)});
+  }
+  if (T > static_cast<std::int64_t>(all.size())) T = static_cast<std::int64_t>(all.size());
+  auto better = [](const cand& a, const cand& b) {
+    const bool na = !(a.s == a.s), nb = !(b.s == b.s);
+    if (na != nb) return nb;
+    if (!na && a.s != b.s) return a.s > b.s;
+    if (a.h != b.h) return a.h < b.h;
+    return a.i < b.i;
+  };
+  std::vector<std::int64_t> winners(static_cast<std::size_t>(heads), 0);
+  if (T > 0) {
+    if (T < static_cast<std::int64_t>(all.size())) std::nth_element(all.begin(), all.begin() + (T - 1), all.end(), better);
+    for (std::int64_t t = 0; t < T; ++t) ++winners[static_cast<std::size_t>(all[static_cast<std::size_t>(t)].h)];
+  }
+  for (std::int64_t h = 0; h < heads; ++h) {
+    const auto& pl = plans[h];
+    if (pl.pass_through) continue;
+    share[static_cast<std::size_t>(h)] = (1.0 - p.alpha) * static_cast<double>(winners[static_cast<std::size_t>(h)]) +
+                                         p.alpha * static_cast<double>(pl.base_budget - pl.protected_count());
+  }
+  kvevict::detail::apportion(share.data(), cap.data(), heads, T, extra.data());
+  for (std::int64_t h = 0; h < heads; ++h) {
+    const auto& pl = plans[h];
+    budgets[h] = pl.pass_through ? pl.length : pl.protected_count() + extra[static_cast<std::size_t>(h)];
+  }
+}
+
+}  // namespace detail
+}  // namespace cpu
+}  // namespace kvevict

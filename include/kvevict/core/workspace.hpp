@@ -1,0 +1,37 @@
+// IWYU pragma: private, include "kvevict/kvevict.hpp"
+// Two-phase workspace (CUB style): run once with a null base to count bytes, then carve the
+// caller's buffer. Every carve is aligned to `alignment` bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvevict/core/config.hpp"
+
+namespace kvevict {
+namespace detail {
+
+class workspace_carver {
+ public:
+  static constexpr std::size_t alignment = 256;
+
+  /// base == nullptr: counting mode (carve() returns nullptr, bytes() accumulates).
+  explicit workspace_carver(void* base = nullptr) : base_(static_cast<unsigned char*>(base)) {}
+
+  template <class T>
+  T* carve(std::size_t count) {
+    offset_ = (offset_ + alignment - 1) / alignment * alignment;
+    T* p = base_ ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
+    offset_ += count * sizeof(T);
+    return p;
+  }
+  /// Bytes used so far, rounded up to the alignment.
+  std::size_t bytes() const { return (offset_ + alignment - 1) / alignment * alignment; }
+
+ private:
+  unsigned char* base_;
+  std::size_t offset_ = 0;
+};
+
+}  // namespace detail
+}  // namespace kvevict

@@ -1,0 +1,11 @@
+// kvevict CPU backend (Eigen 3.4): evictor<Policy, cpu::backend>, compaction, W_O factors.
+#pragma once
+
+#include "kvevict/kvevict.hpp"
+#include "kvevict/backends/cpu/backend.hpp"
+#include "kvevict/backends/cpu/compact.hpp"
+#include "kvevict/backends/cpu/evictor.hpp"
+#include "kvevict/backends/cpu/scorers.hpp"
+#include "kvevict/backends/cpu/select.hpp"
+#include "kvevict/backends/cpu/smoothers.hpp"
+#include "kvevict/backends/cpu/wo_factor.hpp"

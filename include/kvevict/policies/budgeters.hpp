@@ -1,0 +1,104 @@
+// IWYU pragma: private, include "kvevict/kvevict.hpp"
+// Budgeter policies: how many tokens each head of a layer keeps.
+// A budget counts every kept token of a head (protected ones included). Every budgeter keeps
+// pass-through heads (L <= B) whole, keeps each head's protected tokens, and distributes the
+// remaining per-layer total exactly (detail::apportion: largest remainder, ties to the lower
+// head index), never above a head's length.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvevict/core/apportion.hpp"
+#include "kvevict/core/budget_rules.hpp"
+#include "kvevict/core/status.hpp"
+
+namespace kvevict {
+namespace budgeters {
+
+/// Every head keeps its base budget B (keep_tokens, or floor(keep_fraction * L)).
+struct uniform {
+  struct params {};
+  static constexpr const char* name = "uniform";
+  static constexpr bool needs_scores = false;
+  static status check(const params&) { return {}; }
+  KVEVICT_HOST_DEVICE static std::int64_t head_budget(const params&, const detail::head_plan& h, int, int) {
+    return h.pass_through ? h.length : h.base_budget;
+  }
+};
+
+/// PyramidKV per-layer schedule (Cai et al. 2024, arXiv 2406.02069). With P = B - protected
+/// and C = L - protected candidates: min = P // beta, max = 2P - min; if max >= C then
+/// max = C, min = 2P - max; layer l keeps max - l * (max - min) / (n_layers - 1) candidates
+/// plus its protected tokens.
+///  - exact_total (default): the real-valued schedule, rounded by largest remainder over the
+///    layers so that the n_layers budgets sum to exactly n_layers * P (the average is B);
+///  - exact_total = false: PyramidKV's integer code, step = (max - min) // (n_layers - 1).
+/// Published beta = 20. Errors: beta < 1 or not finite.
+struct pyramid {
+  struct params {
+    float beta = 20.0f;
+    bool exact_total = true;
+  };
+  static constexpr const char* name = "pyramid";
+  static constexpr bool needs_scores = false;
+  static status check(const params& p) {
+    if (!(p.beta >= 1.0f) || !std::isfinite(p.beta))
+      return status::error(errc::invalid_argument, "budgeter.beta = %g must be finite and >= 1", static_cast<double>(p.beta));
+    return {};
+  }
+  /// Candidates (non-protected kept tokens) of layer `layer` for P, C. Host and device.
+  KVEVICT_HOST_DEVICE static std::int64_t layer_candidates(const params& p, std::int64_t P, std::int64_t C, int layer,
+                                                           int num_layers) {
+    if (num_layers <= 1) return P < C ? P : C;
+    std::int64_t mn = static_cast<std::int64_t>(std::floor(static_cast<double>(P) / p.beta));
+    std::int64_t mx = 2 * P - mn;
+    if (mx >= C) {
+      mx = C;
+      mn = 2 * P - mx;
+    }
+    if (!p.exact_total) {
+      const std::int64_t step = (mx - mn) / (num_layers - 1);
+      std::int64_t v = mx - layer * step;
+      return v < 0 ? 0 : (v > C ? C : v);
+    }
+    // Exact: largest remainder over the real schedule of all layers (n <= 1024 layers).
+    double shares[1024];
+    std::int64_t out[1024];
+    const int n = num_layers < 1024 ? num_layers : 1024;
+    const double delta = static_cast<double>(mx - mn) / (n - 1);
+    for (int l = 0; l < n; ++l) shares[l] = static_cast<double>(mx) - l * delta;
+    detail::apportion(shares, nullptr, n, P * n, out);
+    std::int64_t v = out[layer < n ? layer : n - 1];
+    return v < 0 ? 0 : (v > C ? C : v);
+  }
+  KVEVICT_HOST_DEVICE static std::int64_t head_budget(const params& p, const detail::head_plan& h, int layer,
+                                                      int num_layers) {
+    if (h.pass_through) return h.length;
+    const std::int64_t P = h.base_budget - h.protected_count();
+    return h.protected_count() + layer_candidates(p, P, h.candidates(), layer, num_layers);
+  }
+};
+
+/// AdaKV head-wise allocation (Feng et al. 2024, arXiv 2407.11550), per layer and sequence.
+/// With T = sum over evicting heads of (B_h - protected_h): take the global top-T candidate
+/// scores over the heads of the layer (ties: lower head, then lower index); c_h = winners of
+/// head h; budget_h = protected_h + round((1 - alpha) c_h + alpha (B_h - protected_h)), the
+/// rounding by largest remainder so the layer total is exactly T. alpha = 0 is pure
+/// AdaKV; the published GQA setting is alpha = 0.2. Scores are the smoothed, GQA-reduced
+/// scores of the scorer. Errors: alpha outside [0, 1].
+struct adakv {
+  struct params {
+    float alpha = 0.2f;
+  };
+  static constexpr const char* name = "adakv";
+  static constexpr bool needs_scores = true;
+  static status check(const params& p) {
+    if (!(p.alpha >= 0.0f && p.alpha <= 1.0f))
+      return status::error(errc::invalid_argument, "budgeter.alpha = %g must be in [0, 1]", static_cast<double>(p.alpha));
+    return {};
+  }
+};
+
+}  // namespace budgeters
+}  // namespace kvevict

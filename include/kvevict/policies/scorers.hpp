@@ -1,0 +1,132 @@
+// IWYU pragma: private, include "kvevict/kvevict.hpp"
+// Scorer policies: one fp32 score per cached token of a head, higher = keep.
+// Each scorer holds only parameters and capability flags; the backends hold the loops
+// (kvevict/backends/<backend>/scorers*). No NaN or inf ever leaves a built-in scorer.
+//
+// Capability flags read by the evictor:
+//   needs_queries      reads the observation-window queries (B, Hq, W, D)
+//   needs_values       reads V
+//   needs_wo_factor    reads the per-query-head W_O factor R (Hq, D, D) when configured so
+//   window_attention   computes the window attention A (so it can feed adaptive-window drift)
+//   has_scores         false only for `none` (StreamingLLM keeps sinks + recent, no scoring pass)
+#pragma once
+
+#include <cmath>
+
+#include "kvevict/core/status.hpp"
+
+namespace kvevict {
+namespace scorers {
+
+/// Layer-wise output reconstruction (LOR) score of ReST-KV (An et al., "ReST-KV: Robust KV
+/// Cache Eviction with Layer-wise Output Reconstruction and Spatial-Temporal Smoothing", ICLR
+/// 2026, Eq. 7): how much the head's contribution to the layer output, z W_O, changes when a
+/// token is removed from the attention and the rest renormalised:
+///   s[n] = a[n] / (1 - a[n]) * || R_h (z - v_n) ||_2 ^ tau
+/// with ||R_h x|| = ||x W_O^h|| (R_h: d x d factor of W_O^h W_O^h^T, see
+/// cpu::compute_wo_factors), or R_h = I in value space (`use_wo = false`).
+///  - mode::after (default, the published configuration): a = temporal-smoothed window
+///    attention; z = sum over past tokens (n < L - w) of a[n] v_n (window tokens' share left
+///    out unless include_window_in_output).
+///  - mode::before (the paper's equation): per window row j, S[j,n] = A[j,n]/(1-A[j,n]) *
+///    ||R (z_j - v_n)|| with z_j = A[j,:] V, then temporal smoothing over j.
+/// Tokens that take almost all the attention are scored by the finite limit
+/// a * ||R (z_{-n} - v_n)|| computed without cancellation (spec: restkv.md "Numerics").
+struct output_reconstruction {
+  enum class mode : int { after = 0, before = 1 };
+  struct params {
+    mode aggregation = mode::after;
+    bool use_wo = true;                     ///< true: needs the W_O factor; false: value space
+    float tau = 1.0f;                       ///< exponent on the distance; > 0
+    bool include_window_in_output = false;  ///< "after": include window tokens in z
+  };
+  static constexpr const char* name = "output_reconstruction";
+  static constexpr bool needs_queries = true;
+  static constexpr bool needs_values = true;
+  static constexpr bool window_attention = true;
+  static constexpr bool has_scores = true;
+  static bool needs_wo_factor(const params& p) { return p.use_wo; }
+  static status check(const params& p) {
+    if (!(p.tau > 0.0f) || !std::isfinite(p.tau))
+      return status::error(errc::invalid_argument, "scorer.tau = %g must be finite and > 0", static_cast<double>(p.tau));
+    if (p.aggregation != mode::after && p.aggregation != mode::before)
+      return status::error(errc::invalid_argument, "scorer.aggregation = %d is not a mode", static_cast<int>(p.aggregation));
+    return {};
+  }
+};
+
+/// Attention-weight score (SnapKV, Li et al. 2024, arXiv 2404.14469): the temporal-smoothed
+/// window attention a[n] = sum_j c_j A[j, n] (SnapKV: c_j = 1 ("sum") or 1/w ("mean")).
+/// A[j, :] = softmax(q_j K^T / sqrt(d)) in fp32 with the causal mask inside the window.
+struct attention_weight {
+  struct params {};
+  static constexpr const char* name = "attention_weight";
+  static constexpr bool needs_queries = true;
+  static constexpr bool needs_values = false;
+  static constexpr bool window_attention = true;
+  static constexpr bool has_scores = true;
+  static bool needs_wo_factor(const params&) { return false; }
+  static status check(const params&) { return {}; }
+};
+
+/// Accumulated attention (H2O, Zhang et al. 2023, arXiv 2306.14048): column sums of the
+/// attention of ALL prompt queries under the full causal mask (query i sees keys 0..i). Pass
+/// the whole prompt's queries as the "window" (W = L). Memory is O(seq_len): rows are
+/// processed in blocks, the L x L matrix never exists.
+/// `normalize_by_visible`: divide column n by the number of queries that see it (the
+/// normalisation that removes H2O's bias toward early tokens).
+struct accumulated_attention {
+  struct params {
+    bool normalize_by_visible = false;
+  };
+  static constexpr const char* name = "accumulated_attention";
+  static constexpr bool needs_queries = true;
+  static constexpr bool needs_values = false;
+  static constexpr bool window_attention = true;
+  static constexpr bool has_scores = true;
+  static bool needs_wo_factor(const params&) { return false; }
+  static status check(const params&) { return {}; }
+};
+
+/// Attention of the last query only (TOVA, Oren et al. 2024, arXiv 2401.06104). Only the last
+/// row of the window is computed. TOVA averages over all heads of the layer: use it with
+/// gqa_reduction::layer_mean (the `presets::tova` default) for one token set per layer.
+struct last_query {
+  struct params {};
+  static constexpr const char* name = "last_query";
+  static constexpr bool needs_queries = true;
+  static constexpr bool needs_values = false;
+  static constexpr bool window_attention = true;
+  static constexpr bool has_scores = true;
+  static bool needs_wo_factor(const params&) { return false; }
+  static status check(const params&) { return {}; }
+};
+
+/// Key-norm score (Devoto et al. 2024, arXiv 2406.11430): keep the keys of LOW L2 norm,
+/// s[n] = -||k_n||. Query-free.
+struct key_norm {
+  struct params {};
+  static constexpr const char* name = "key_norm";
+  static constexpr bool needs_queries = false;
+  static constexpr bool needs_values = false;
+  static constexpr bool window_attention = false;
+  static constexpr bool has_scores = true;
+  static bool needs_wo_factor(const params&) { return false; }
+  static status check(const params&) { return {}; }
+};
+
+/// No scores: the selector keeps sink and recent tokens only (StreamingLLM, Xiao et al. 2023,
+/// arXiv 2309.17453). No scoring pass runs.
+struct none {
+  struct params {};
+  static constexpr const char* name = "none";
+  static constexpr bool needs_queries = false;
+  static constexpr bool needs_values = false;
+  static constexpr bool window_attention = false;
+  static constexpr bool has_scores = false;
+  static bool needs_wo_factor(const params&) { return false; }
+  static status check(const params&) { return {}; }
+};
+
+}  // namespace scorers
+}  // namespace kvevict

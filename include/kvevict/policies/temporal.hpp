@@ -1,0 +1,92 @@
+// IWYU pragma: private, include "kvevict/kvevict.hpp"
+// Temporal smoothers: how the w observation-window rows of the attention (or of per-row scores)
+// are combined into one row. All built-in temporal smoothers are LINEAR row weightings
+// c_0 .. c_{w-1}: smoothed[n] = sum_j c_j x_j[n], rows ordered oldest (j = 0) to newest.
+// That lets backends fuse them with the window attention.
+//
+// A user-defined temporal smoother is a struct with a nested `params`, a
+// `static status check(const params&)` and a
+// `KVEVICT_HOST_DEVICE static double weight(const params&, int j, int w)` (see
+// examples/custom_policy.cpp).
+#pragma once
+
+#include "kvevict/core/status.hpp"
+
+namespace kvevict {
+namespace temporal {
+
+namespace detail {
+KVEVICT_HOST_DEVICE inline double ipow(double b, int e) {
+  double r = 1.0;
+  while (e > 0) {
+    if (e & 1) r *= b;
+    b *= b;
+    e >>= 1;
+  }
+  return r;
+}
+}  // namespace detail
+
+/// Exponential moving average over the window rows (ReST-KV, ICLR 2026, Sec. 3.3, "temporal
+/// smoothing"). acc = x_0; for j = 1..w-1: acc = alpha * x_j + (1 - alpha) * acc.
+/// Weights: c_0 = (1-alpha)^(w-1), c_j = alpha (1-alpha)^(w-1-j) for j >= 1; they sum to 1.
+/// Published alpha = 0.3. Error: alpha outside (0, 1] or not finite.
+struct ema {
+  struct params {
+    float alpha = 0.3f;
+  };
+  static constexpr const char* name = "ema";
+  static status check(const params& p) {
+    if (!(p.alpha > 0.0f && p.alpha <= 1.0f))
+      return status::error(errc::invalid_argument, "temporal.alpha = %g must be in (0, 1]", static_cast<double>(p.alpha));
+    return {};
+  }
+  KVEVICT_HOST_DEVICE static double weight(const params& p, int j, int w) {
+    const double a = p.alpha;
+    if (j == 0) return detail::ipow(1.0 - a, w - 1);
+    return a * detail::ipow(1.0 - a, w - 1 - j);
+  }
+};
+
+/// EMA run from the newest row to the oldest (the "reversed EMA" ablation of ReST-KV):
+/// c_{w-1} = (1-alpha)^(w-1), c_j = alpha (1-alpha)^j for j <= w-2.
+struct reversed_ema {
+  struct params {
+    float alpha = 0.3f;
+  };
+  static constexpr const char* name = "reversed_ema";
+  static status check(const params& p) { return ema::check(ema::params{p.alpha}); }
+  KVEVICT_HOST_DEVICE static double weight(const params& p, int j, int w) {
+    const double a = p.alpha;
+    if (j == w - 1) return detail::ipow(1.0 - a, w - 1);
+    return a * detail::ipow(1.0 - a, j);
+  }
+};
+
+/// Mean over the window rows, c_j = 1/w.
+struct mean {
+  struct params {};
+  static constexpr const char* name = "mean";
+  static status check(const params&) { return {}; }
+  KVEVICT_HOST_DEVICE static double weight(const params&, int, int w) { return 1.0 / w; }
+};
+
+/// Sum over the window rows, c_j = 1 (SnapKV, Li et al. 2024, arXiv 2404.14469; and H2O's
+/// accumulated attention when the window is the whole prompt). Ranks like `mean`.
+struct sum {
+  struct params {};
+  static constexpr const char* name = "sum";
+  static status check(const params&) { return {}; }
+  KVEVICT_HOST_DEVICE static double weight(const params&, int, int) { return 1.0; }
+};
+
+/// Only the newest row, c_{w-1} = 1 (TOVA, Oren et al. 2024, arXiv 2401.06104).
+struct last {
+  struct params {};
+  static constexpr const char* name = "last";
+  static status check(const params&) { return {}; }
+  KVEVICT_HOST_DEVICE static double weight(const params&, int j, int w) { return j == w - 1 ? 1.0 : 0.0; }
+};
+
+}  // namespace temporal
+}  // namespace kvevict

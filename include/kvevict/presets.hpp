@@ -1,0 +1,65 @@
+// Named presets: the published configurations of ReST-KV and the baselines, as
+// eviction_policy types whose defaults() return the papers' settings.
+//
+//   using P = kvevict::presets::restkv;
+//   auto params = P::defaults();            // alpha 0.3, beta 2000, k_min 5, "after" LOR
+//   params.spatial.k_min = 21;              // the RULER setting
+#pragma once
+
+#include "kvevict/core/policy.hpp"
+
+namespace kvevict {
+namespace presets {
+
+/// ReST-KV (An et al., ICLR 2026): output-reconstruction score ("after" aggregation, W_O
+/// factor), EMA alpha 0.3 over a 32-query window, adaptive-window smoothing (beta 2000,
+/// k_min 5, reference-exact shift), uniform per-head budget, window kept. GQA: mean over the
+/// group (use gqa_reduction::per_query_head for the reference code's per-query-head caches).
+struct restkv : eviction_policy<scorers::output_reconstruction, temporal::ema, spatial::adaptive_window> {};
+
+/// SnapKV (Li et al. 2024): window-attention sum, avg-pool width 5, uniform budget, window kept.
+struct snapkv : eviction_policy<scorers::attention_weight, temporal::sum, spatial::avg_pool> {};
+
+/// PyramidKV (Cai et al. 2024): SnapKV scores with the pyramid per-layer schedule, beta 20.
+struct pyramidkv : eviction_policy<scorers::attention_weight, temporal::sum, spatial::avg_pool, budgeters::pyramid> {};
+
+/// AdaKV (Feng et al. 2024): SnapKV scores with head-wise adaptive budgets, alpha 0.2 (GQA).
+struct adakv : eviction_policy<scorers::attention_weight, temporal::sum, spatial::avg_pool, budgeters::adakv> {};
+
+/// H2O (Zhang et al. 2023): accumulated attention of all prompt queries (pass W = L), half of
+/// the budget heavy hitters and half recent tokens.
+struct h2o : eviction_policy<scorers::accumulated_attention, temporal::sum, spatial::none> {
+  static params defaults() {
+    params p;
+    p.selector.recent_share = 0.5f;
+    return p;
+  }
+};
+
+/// TOVA (Oren et al. 2024): attention of the last query averaged over all heads of the layer;
+/// one token set per layer; nothing protected by rule.
+struct tova : eviction_policy<scorers::last_query, temporal::last, spatial::none> {
+  static params defaults() {
+    params p;
+    p.gqa = gqa_reduction::layer_mean;
+    p.selector.num_recent = 0;
+    return p;
+  }
+};
+
+/// StreamingLLM (Xiao et al. 2023): 4 sink tokens + the most recent tokens, no scoring.
+struct streaming_llm : eviction_policy<scorers::none, temporal::last, spatial::none> {
+  static params defaults() {
+    params p;
+    p.selector.num_sink = 4;
+    p.selector.recent_share = 1.0f;
+    return p;
+  }
+};
+
+/// Key norm (Devoto et al. 2024): keep low-norm keys, query-free; window kept by rule when
+/// window queries are given (none are needed).
+struct key_norm : eviction_policy<scorers::key_norm, temporal::last, spatial::none> {};
+
+}  // namespace presets
+}  // namespace kvevict
