@@ -18,7 +18,7 @@ KVEVICT_HOST_DEVICE inline std::int64_t requested_recent(const selectors::topk::
                                                          std::int64_t window) {
   if (sp.recent_share >= 0.0f) {
     const std::int64_t free = base_budget - sp.num_sink;
-    return free > 0 ? static_cast<std::int64_t>(std::floor(static_cast<double>(sp.recent_share) * free)) : 0;
+    return free > 0 ? static_cast<std::int64_t>(std::floor(static_cast<double>(sp.recent_share) * static_cast<double>(free))) : 0;
   }
   return sp.num_recent >= 0 ? sp.num_recent : window;
 }

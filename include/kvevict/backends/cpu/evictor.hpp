@@ -168,9 +168,9 @@ class evictor<Policy, cpu::backend> {
       if (any_scoring) {
         cpu::detail::parallel_for(be_, B * Hkv, [&](std::int64_t task, int tid) {
           const std::int64_t b = task / Hkv, h = task % Hkv;
-          bool need = false;
-          for (std::int64_t g = 0; g < Gout; ++g) need = need || buf.need[b * H + h * Gout + g];
-          if (!need) return;
+          bool any_row = false;
+          for (std::int64_t g = 0; g < Gout; ++g) any_row = any_row || buf.need[b * H + h * Gout + g];
+          if (!any_row) return;
           const std::int64_t L = in.length(b, h);
           cpu::detail::head_job<Policy, T> job{&in, &p_, b, h, L, std::min<std::int64_t>(in.window(), L), 0};
           if constexpr (Spatial::needs_attention_drift) {

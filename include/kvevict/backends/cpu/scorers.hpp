@@ -391,7 +391,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
         }
         for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(s.abar[n]);
       }
-      drift[g] = (n_front > 0 && n_rear > 0) ? d_front / n_front - d_rear / n_rear : 0.0;
+      drift[g] = (n_front > 0 && n_rear > 0) ? d_front / static_cast<double>(n_front) - d_rear / static_cast<double>(n_rear) : 0.0;
     }
   } else {
     static_assert(kvevict::detail::dependent_false<Scorer>,

@@ -1,0 +1,78 @@
+// Writing your own policies: a custom scorer and a custom spatial smoother, composed at compile
+// time with kvevict's temporal smoother, budgeter and selector.
+//
+//  - value_norm_scorer: keeps tokens whose VALUE vectors are large (a query-free heuristic in
+//    the spirit of VATP / "value norms matter"), via the CPU scorer hook score_kv_head().
+//  - median3: a 3-tap median filter as a spatial smoother, via the CPU hook smooth().
+#include <kvevict/cpu.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+struct value_norm_scorer {
+  struct params {
+    float power = 1.0f;  // score = ||v||^power
+  };
+  static constexpr const char* name = "value_norm";
+  static constexpr bool needs_queries = false;
+  static constexpr bool needs_values = true;
+  static constexpr bool window_attention = false;
+  static constexpr bool has_scores = true;
+  static bool needs_wo_factor(const params&) { return false; }
+  static kvevict::status check(const params& p) {
+    if (!(p.power > 0.0f)) return kvevict::status::error(kvevict::errc::invalid_argument, "scorer.power = %g must be > 0", p.power);
+    return {};
+  }
+  // One (sequence, KV head): out[n] for n < in.length; in.values is L x d row-major fp32.
+  static void score_kv_head(const params& p, const kvevict::cpu::head_inputs& in, float* out) {
+    for (std::int64_t n = 0; n < in.length; ++n) {
+      double s = 0.0;
+      for (std::int64_t c = 0; c < in.head_dim; ++c) s += double(in.values[n * in.head_dim + c]) * in.values[n * in.head_dim + c];
+      out[n] = static_cast<float>(std::pow(std::sqrt(s), double(p.power)));
+    }
+  }
+};
+
+struct median3 {
+  struct params {};
+  static constexpr const char* name = "median3";
+  static constexpr bool needs_attention_drift = false;
+  static kvevict::status check(const params&) { return {}; }
+  static void smooth(const params&, const float* in, float* out, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      float a = in[std::max<std::int64_t>(i - 1, 0)], b = in[i], c = in[std::min<std::int64_t>(i + 1, n - 1)];
+      out[i] = std::max(std::min(a, b), std::min(std::max(a, b), c));
+    }
+  }
+};
+
+using my_policy = kvevict::eviction_policy<value_norm_scorer, kvevict::temporal::last, median3,
+                                           kvevict::budgeters::uniform, kvevict::selectors::topk>;
+
+int main() {
+  const int kv_heads = 4, seq = 200, dim = 16;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::vector<float> k(kv_heads * seq * dim), v(k.size());
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+
+  kvevict::layer_inputs<float> in;
+  in.keys = kvevict::make_kv_view<const float>(k.data(), 1, kv_heads, seq, dim, kvevict::kv_layout::hnd);
+  in.values = kvevict::make_kv_view<const float>(v.data(), 1, kv_heads, seq, dim, kvevict::kv_layout::hnd);
+
+  auto p = my_policy::defaults();
+  p.selector.num_sink = 4;     // keep 4 attention sinks ...
+  p.selector.num_recent = 16;  // ... and the last 16 tokens by rule
+  kvevict::evictor<my_policy, kvevict::cpu::backend> ev(p);
+  const auto budget = kvevict::budget_request::fraction(0.25);
+  std::vector<std::int32_t> indptr(kv_heads + 1), idx(ev.max_selected(in, budget));
+  kvevict::selection_view sel{indptr.data(), idx.data(), nullptr, static_cast<std::int64_t>(idx.size())};
+  kvevict::status st = ev.run(in, budget, sel);
+  if (!st.ok()) return std::fprintf(stderr, "%s\n", st.message()), 1;
+  for (int h = 0; h < kv_heads; ++h) std::printf("head %d keeps %d tokens\n", h, indptr[h + 1] - indptr[h]);
+  return 0;
+}
