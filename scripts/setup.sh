@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install what kvevict's build, tests and main job need, from Debian's archive (idempotent).
+# Needs root (or sudo). Skips apt-get when everything is already installed.
+set -euo pipefail
+pkgs=(cmake make g++ libeigen3-dev doctest-dev libbenchmark-dev python3 python3-torch python3-matplotlib python3-numpy
+      clang libclang-rt-14-dev)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+echo "setup: dependencies present"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Build kvevict and run its whole test suite (the README's test command).
+#   scripts/test.sh            # set-up (apt-get), configure, build, ctest
+# Environment: BUILD_DIR (default build), JOBS (default nproc), KVEVICT_ENABLE_CUDA (default ON:
+# CUDA code is compiled when nvcc exists; its tests skip at run time without a GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+BUILD_DIR=${BUILD_DIR:-build}
+JOBS=${JOBS:-$(nproc)}
+cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA="${KVEVICT_ENABLE_CUDA:-ON}"
+cmake --build "$BUILD_DIR" -j "$JOBS"
+cd "$BUILD_DIR" && ctest --output-on-failure -j "$JOBS"
