@@ -13,6 +13,7 @@
 #include "kvevict/core/status.hpp"
 #include "kvevict/core/tensor_view.hpp"
 #include "kvevict/core/workspace.hpp"
+#include "kvevict/dispatch/dispatch.hpp"
 #include "kvevict/evictor.hpp"
 #include "kvevict/presets.hpp"
 #include "kvevict/version.hpp"
