@@ -56,6 +56,8 @@ class evictor<Policy, cpu::backend> {
 
   static_assert(!Spatial::needs_attention_drift || Scorer::window_attention,
                 "kvevict: the adaptive-window smoother needs a scorer that computes the window attention");
+  static_assert(!Budgeter::needs_scores || Scorer::has_scores,
+                "kvevict: a score-driven budgeter (AdaKV) needs a scorer that produces scores");
 
   explicit evictor(params_type p = Policy::defaults(), cpu::backend be = {}) : p_(p), be_(be) {}
 
