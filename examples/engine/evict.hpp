@@ -1,0 +1,366 @@
+// kvevict_engine: KV-cache eviction inside the engine (example code).
+//
+// evict.hpp connects the engine's kv_cache to kvevict:
+//   wo_factors            W_O factors of every layer (kvevict::cpu::compute_wo_factors), once per model
+//   query_log             captures the RoPE-rotated queries of forward() through on_query
+//   layer_state           the engine state one eviction of one layer sees
+//   evict_layer<Policy>() kvevict::evictor<Policy, cpu::backend> on one layer, then in-place compaction
+//   apply_selection()     compacts one layer in place from a CSR selection (kvevict::cpu::compact)
+//   method                a named "evict one layer" function (a row of the fidelity report)
+//   eviction_session      one sequence: one-shot / chunked prefill eviction, decode-time cap, multi-turn
+//
+// Slots and positions: compaction moves kept rows down (slots change) and keeps their logical positions
+// (kv_cache::positions), so RoPE-rotated keys stay valid. kv_cache::next_position never changes on
+// eviction. Papers: ReST-KV (An et al., ICLR 2026), SnapKV, PyramidKV, AdaKV, H2O, TOVA, StreamingLLM
+// (see kvevict/presets.hpp).
+#pragma once
+
+#include "forward.hpp"
+#include "kv_cache.hpp"
+#include "model.hpp"
+
+#include <kvevict/cpu.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvevict_engine {
+
+/// W_O factors of every layer: layer l holds fp32 (n_heads, head_dim, head_dim) row-major R_h with
+/// ||R_h x|| = ||W_O^h x|| (kvevict::cpu::compute_wo_factors on model::wo(l), [out][in] = (dim, dim)).
+/// Compute once per model load; read-only afterwards (shareable across sessions and threads).
+class wo_factors {
+public:
+    /// Computes the factors of every layer of `m`. Error (object unchanged): non-finite weights.
+    result compute(const model& m) {
+        const config& c = m.cfg;
+        const int hd = c.head_dim();
+        std::vector<std::vector<float>> f(size_t(c.n_layers), std::vector<float>(size_t(c.n_heads) * size_t(hd) * size_t(hd)));
+        for (int l = 0; l < c.n_layers; ++l) {
+            const matrix& wo = m.wo(l);
+            kvevict::strided_view<const float, 2> v;
+            v.data = wo.data();
+            v.extent[0] = wo.rows();
+            v.extent[1] = wo.cols();
+            v.stride[0] = wo.cols();  // row-major [out][in]
+            v.stride[1] = 1;
+            const kvevict::status s = kvevict::cpu::compute_wo_factors(v, c.n_heads, hd, f[size_t(l)].data());
+            if (!s.ok()) return result::failure("wo_factors: layer " + std::to_string(l) + ": " + s.message());
+        }
+        f_ = std::move(f);
+        n_heads_ = c.n_heads;
+        head_dim_ = hd;
+        return result::success();
+    }
+    bool empty() const { return f_.empty(); }
+    int n_layers() const { return int(f_.size()); }
+    /// Factors of `layer` as the view layer_inputs::wo_factor takes. Precondition: computed, valid layer.
+    kvevict::strided_view<const float, 3> view(int layer) const {
+        return kvevict::cpu::wo_factor_view(f_[size_t(layer)].data(), n_heads_, head_dim_);
+    }
+
+private:
+    std::vector<std::vector<float>> f_;
+    int n_heads_ = 0, head_dim_ = 0;
+};
+
+/// The queries forward() computed since the last clear(), per layer, token-major: row t of layer l is
+/// the (n_heads, head_dim) query (RoPE applied, before the 1/sqrt(head_dim) scaling) of the t-th token
+/// seen. `keep` > 0 bounds the rows held to the most recent `keep` (memory O(keep)); keep < 0 holds all
+/// of them (H2O needs every prompt query).
+/// Usage: `query_log log(cfg, 32); opts.on_query = log.hook();` The log must outlive the options.
+class query_log {
+public:
+    query_log() = default;
+    query_log(const config& c, int keep) : n_heads_(c.n_heads), head_dim_(c.head_dim()), keep_(keep), rows_(size_t(c.n_layers)) {}
+
+    /// Hook for forward_options::on_query.
+    std::function<void(int, std::int32_t, const float*)> hook() {
+        return [this](int l, std::int32_t, const float* q) { push(l, q); };
+    }
+    /// Appends one query (n_heads * head_dim floats) to `layer`.
+    void push(int layer, const float* q) {
+        std::vector<float>& r = rows_[size_t(layer)];
+        const size_t row = size_t(n_heads_) * size_t(head_dim_);
+        r.insert(r.end(), q, q + row);
+        if (keep_ > 0 && r.size() >= 2 * size_t(keep_) * row)  // amortised trim to the last `keep` rows
+            r.erase(r.begin(), r.end() - std::ptrdiff_t(size_t(keep_) * row));
+    }
+    /// Queries held for `layer` (at most keep when keep > 0).
+    int count(int layer) const {
+        const int n = int(rows_[size_t(layer)].size() / (size_t(n_heads_) * size_t(head_dim_)));
+        return keep_ > 0 ? std::min(n, keep_) : n;
+    }
+    /// The last min(window, count) queries of `layer` (window < 0: all held) as the logical
+    /// (batch 1, n_heads, window, head_dim) view kvevict takes (NHD strides, no copy). Empty view
+    /// (data == nullptr) when nothing is held. Valid until the next push()/clear().
+    kvevict::query_view<const float> view(int layer, int window) const {
+        const int n = count(layer);
+        const int w = window < 0 ? n : std::min(window, n);
+        if (w <= 0) return {};
+        const std::vector<float>& r = rows_[size_t(layer)];
+        const size_t row = size_t(n_heads_) * size_t(head_dim_);
+        const float* first = r.data() + r.size() - size_t(w) * row;
+        return kvevict::make_query_view(first, 1, n_heads_, w, head_dim_, kvevict::kv_layout::nhd);
+    }
+    void clear() { for (auto& r : rows_) r.clear(); }
+
+private:
+    int n_heads_ = 0, head_dim_ = 0, keep_ = 32;
+    std::vector<std::vector<float>> rows_;
+};
+
+/// What one eviction of one layer sees.
+struct layer_state {
+    const model* m = nullptr;
+    const wo_factors* wo = nullptr;       ///< may be null for methods that do not use W_O
+    kv_cache* cache = nullptr;            ///< compacted in place
+    int layer = 0;
+    const query_log* queries = nullptr;   ///< queries of the tokens appended since the last eviction
+    kvevict::budget_request budget;       ///< per-head budget (see kvevict::budget_request)
+    int num_threads = 1;                  ///< kvevict::cpu::backend::num_threads
+    /// Look-ahead, for oracle methods only (null in the engine's modes): the next token's query at this
+    /// layer (n_heads, head_dim), after RoPE, before scaling; and its key (after RoPE) and value, (kv_dim).
+    const float* next_query = nullptr;
+    const float* next_key = nullptr;
+    const float* next_value = nullptr;
+};
+
+/// Compacts layer `layer` of `cache` in place from a CSR selection with n_kv_heads rows
+/// (indptr[h]..indptr[h+1] are the kept slots of head h, strictly ascending, each < length): keys,
+/// values and positions move with kvevict::cpu::compact, then len[h] = kept count.
+/// Errors (cache unchanged): malformed selection (named by kvevict's status message).
+inline result apply_selection(kv_cache& cache, int layer, const std::int32_t* indptr, const std::int32_t* indices) {
+    const int H = cache.n_kv_heads();
+    for (int h = 0; h < H; ++h) {
+        const std::int32_t a = indptr[h], b = indptr[h + 1];
+        if (b - a > cache.length(layer, h))
+            return result::failure("apply_selection: layer " + std::to_string(layer) + " head " + std::to_string(h) + " keeps " +
+                                   std::to_string(b - a) + " > length " + std::to_string(cache.length(layer, h)));
+        for (std::int32_t i = a; i < b; ++i)
+            if (indices[i] < 0 || indices[i] >= cache.length(layer, h) || (i > a && indices[i] <= indices[i - 1]))
+                return result::failure("apply_selection: layer " + std::to_string(layer) + " head " + std::to_string(h) +
+                                       ": kept slots must be strictly ascending in 0.." + std::to_string(cache.length(layer, h) - 1));
+    }
+    const kvevict::const_selection_view sel(indptr, indices, H);
+    auto kv = [&](float* p) { return kvevict::make_kv_view(p, 1, H, cache.capacity(), cache.head_dim(), kvevict::kv_layout::hnd); };
+    const kvevict::kv_view<float> k = kv(cache.keys(layer)), v = kv(cache.values(layer));
+    // positions (n_kv_heads, capacity) seen as (1, n_kv_heads, capacity, 1) rows of one int32
+    kvevict::kv_view<std::int32_t> p;
+    p.data = cache.positions(layer);
+    p.extent[0] = 1; p.extent[1] = H; p.extent[2] = cache.capacity(); p.extent[3] = 1;
+    p.stride[0] = std::int64_t(H) * cache.capacity(); p.stride[1] = cache.capacity(); p.stride[2] = 1; p.stride[3] = 1;
+    for (const auto& pr : {std::make_pair(k, "keys"), std::make_pair(v, "values")}) {
+        const kvevict::status s = kvevict::cpu::compact<float>(pr.first, sel, pr.first);
+        if (!s.ok()) return result::failure(std::string("apply_selection: ") + pr.second + ": " + s.message());
+    }
+    if (const kvevict::status s = kvevict::cpu::compact<std::int32_t>(p, sel, p); !s.ok())
+        return result::failure(std::string("apply_selection: positions: ") + s.message());
+    for (int h = 0; h < H; ++h)
+        if (result r = cache.set_length(layer, h, indptr[h + 1] - indptr[h]); !r) return r;
+    return result::success();
+}
+
+/// Runs kvevict::evictor<Policy, kvevict::cpu::backend> with params `p` on layer `s.layer` of
+/// `*s.cache` and compacts it in place.
+/// Inputs built: keys/values = HND views over the whole capacity, lengths = per-head lengths
+/// (kvevict::per_head_lengths), positions = kvevict::make_positions_view, queries = the last `window`
+/// queries of s.queries (window < 0: all held, as H2O wants; 0: none), wo_factor = s.wo's view when
+/// non-null, layer_idx / num_layers from the model.
+/// Errors (cache unchanged): null state fields, gqa_reduction::per_query_head (cannot compact a KV cache
+/// in place), and every kvevict error (message kept, e.g. a budget below the protected window).
+template <class Policy>
+result evict_layer(const layer_state& s, const typename Policy::params& p, int window = 32,
+                   std::int64_t* kept_tokens = nullptr) {
+    if (!s.m || !s.cache) return result::failure("evict_layer: layer_state.m and .cache must be set");
+    if (p.gqa == kvevict::gqa_reduction::per_query_head)
+        return result::failure("evict_layer: gqa = per_query_head selects per query head; an in-place KV-head cache needs kv_heads rows");
+    kv_cache& c = *s.cache;
+    const config& cfg = s.m->cfg;
+    if (s.layer < 0 || s.layer >= c.n_layers())
+        return result::failure("evict_layer: layer " + std::to_string(s.layer) + " outside 0.." + std::to_string(c.n_layers() - 1));
+    const int l = s.layer, H = c.n_kv_heads();
+    kvevict::layer_inputs<float> in;
+    in.keys = kvevict::make_kv_view<const float>(c.keys(l), 1, H, c.capacity(), c.head_dim(), kvevict::kv_layout::hnd);
+    in.values = kvevict::make_kv_view<const float>(c.values(l), 1, H, c.capacity(), c.head_dim(), kvevict::kv_layout::hnd);
+    in.lengths = kvevict::per_head_lengths(c.lengths(l), 1, H);
+    in.positions = kvevict::make_positions_view(c.positions(l), 1, H, c.capacity());
+    if (s.queries && window != 0) in.queries = s.queries->view(l, window);
+    if (s.wo && !s.wo->empty()) in.wo_factor = s.wo->view(l);
+    in.layer_idx = l;
+    in.num_layers = cfg.n_layers;
+
+    kvevict::evictor<Policy, kvevict::cpu::backend> ev(p, kvevict::cpu::backend{s.num_threads});
+    if (const kvevict::status st = ev.can_implement(in, s.budget); !st.ok())
+        return result::failure("evict_layer: layer " + std::to_string(l) + ": " + st.message());
+    const std::int64_t cap = ev.max_selected(in, s.budget);
+    std::vector<std::int32_t> indptr(size_t(H) + 1), indices(size_t(std::max<std::int64_t>(cap, 1)));
+    kvevict::selection_view sel;
+    sel.indptr = indptr.data();
+    sel.indices = indices.data();
+    sel.capacity = std::int64_t(indices.size());
+    if (const kvevict::status st = ev.run(in, s.budget, sel); !st.ok())
+        return result::failure("evict_layer: layer " + std::to_string(l) + ": " + st.message());
+    if (kept_tokens) *kept_tokens = indptr[size_t(H)];
+    return apply_selection(c, l, indptr.data(), indices.data());
+}
+
+/// A named eviction method: a function that evicts one layer of the cache given the engine state.
+/// `window`: queries the method reads from layer_state::queries (> 0: the last `window`; -1: all since
+/// the last eviction, e.g. H2O; 0: none). Sessions capture enough queries for it.
+struct method {
+    std::string name;
+    int window = 32;
+    std::function<result(const layer_state&)> evict;
+};
+
+/// A method running kvevict preset/policy `Policy` with params `p` (the papers' defaults by default).
+template <class Policy>
+method policy_method(std::string name, typename Policy::params p = Policy::defaults(), int window = 32) {
+    method m;
+    m.name = std::move(name);
+    m.window = window;
+    m.evict = [p, window](const layer_state& s) { return evict_layer<Policy>(s, p, window); };
+    return m;
+}
+
+/// When the cache of a session is evicted during prefill.
+enum class prefill_mode {
+    none,      ///< no eviction during prefill (decode-time cap may still apply)
+    one_shot,  ///< once, after the last prompt token (the papers' setting)
+    chunked,   ///< after every `chunk` tokens: each chunk is scored against the already-compressed cache,
+               ///< its last queries being the window
+};
+
+/// Eviction settings of a session.
+struct session_options {
+    prefill_mode prefill = prefill_mode::one_shot;
+    int chunk = 0;                   ///< chunked: tokens per chunk, >= 1
+    kvevict::budget_request budget;  ///< per-head budget of every eviction (fraction: of the current length)
+    /// > 0: decode-time cap: an eviction after every `decode_interval` decoded tokens (and at the end of
+    /// every prefill), so that with a uniform budget of B tokens no head ever holds more than
+    /// B + decode_interval slots while generating. Needs budget.keep_tokens.
+    int decode_interval = 0;
+    int num_threads = 1;             ///< kvevict CPU threads
+};
+
+/// One sequence with eviction. All state (cache, captured queries, counters) is per session; reset()
+/// returns to the freshly constructed state, so the same request gives the same output whatever ran
+/// before. Multi-turn: calling prefill() again appends the next prompt to the compressed cache (positions
+/// continue from next_position) and compresses again as the mode says. Not copyable (the query hook
+/// refers to the session).
+class eviction_session {
+public:
+    /// `capacity`: slots per head of the session's kv_cache (one-shot: prompt + generated tokens;
+    /// chunked / decode cap: budget + chunk / interval suffices). `m` and `wo` must outlive the session.
+    eviction_session(const model& m, const wo_factors& wo, method meth, session_options o, int capacity)
+        : m_(&m), wo_(&wo), meth_(std::move(meth)), opt_(o), cache_(m.cfg, capacity),
+          log_(m.cfg, meth_.window < 0 ? -1 : std::max(meth_.window, 1)) {}
+    eviction_session(const eviction_session&) = delete;
+    eviction_session& operator=(const eviction_session&) = delete;
+
+    /// Checks the options. Errors: chunk < 1 in chunked mode, decode cap without keep_tokens, no method.
+    result check() const {
+        if (!meth_.evict && (opt_.prefill != prefill_mode::none || opt_.decode_interval > 0))
+            return result::failure("eviction_session: method '" + meth_.name + "' has no evict function");
+        if (opt_.prefill == prefill_mode::chunked && opt_.chunk < 1)
+            return result::failure("eviction_session: chunk = " + std::to_string(opt_.chunk) + " must be >= 1 in chunked mode");
+        if (opt_.decode_interval < 0)
+            return result::failure("eviction_session: decode_interval = " + std::to_string(opt_.decode_interval) + " must be >= 0");
+        if (opt_.decode_interval > 0 && opt_.budget.keep_tokens <= 0)
+            return result::failure("eviction_session: the decode-time cap needs budget.keep_tokens (a fixed token budget)");
+        return result::success();
+    }
+
+    /// Appends `tokens` (a prompt or the next turn) and evicts as the mode says; `logits` gets the logits
+    /// after the last token (computed before that token's eviction, as in the papers).
+    result prefill(const std::vector<int>& tokens, std::vector<float>& logits) {
+        if (result r = check(); !r) return r;
+        if (tokens.empty()) return result::failure("eviction_session::prefill: empty token list");
+        const forward_options fo = options();
+        const size_t step = opt_.prefill == prefill_mode::chunked ? size_t(opt_.chunk) : tokens.size();
+        for (size_t i = 0; i < tokens.size(); i += step) {
+            const size_t end = std::min(tokens.size(), i + step);
+            for (size_t t = i; t < end; ++t)
+                if (result r = forward_one(tokens[t], logits, fo); !r) return r;
+            if (opt_.prefill == prefill_mode::chunked || (end == tokens.size() && (opt_.prefill == prefill_mode::one_shot || opt_.decode_interval > 0)))
+                if (result r = evict_all(); !r) return r;
+        }
+        since_evict_ = 0;
+        return result::success();
+    }
+
+    /// Runs one generated token; with the decode-time cap, evicts after every decode_interval tokens.
+    result decode(int token, std::vector<float>& logits) {
+        if (result r = check(); !r) return r;
+        if (result r = forward_one(token, logits, options()); !r) return r;
+        if (opt_.decode_interval > 0 && ++since_evict_ >= opt_.decode_interval) {
+            since_evict_ = 0;
+            return evict_all();
+        }
+        return result::success();
+    }
+
+    /// Evicts every layer now (window = queries since the last eviction), then clears the query log.
+    result evict_all() {
+        for (int l = 0; l < m_->cfg.n_layers; ++l) {
+            layer_state s;
+            s.m = m_;
+            s.wo = wo_;
+            s.cache = &cache_;
+            s.layer = l;
+            s.queries = &log_;
+            s.budget = opt_.budget;
+            s.num_threads = opt_.num_threads;
+            if (result r = meth_.evict(s); !r) return result::failure("method '" + meth_.name + "': " + r.error);
+        }
+        log_.clear();
+        ++evictions_;
+        return result::success();
+    }
+
+    /// Back to the freshly constructed state (empty cache, next_position 0, no queries, counters 0).
+    void reset() {
+        cache_.reset();
+        log_.clear();
+        since_evict_ = 0;
+        evictions_ = 0;
+        max_len_ = 0;
+    }
+
+    const kv_cache& cache() const { return cache_; }
+    kv_cache& cache() { return cache_; }
+    const method& eviction_method() const { return meth_; }
+    const session_options& options_used() const { return opt_; }
+    /// Evictions run since construction / reset().
+    int evictions() const { return evictions_; }
+    /// Largest per-head length any layer reached right after a forward step (the peak cache size).
+    int max_length_seen() const { return max_len_; }
+
+private:
+    forward_options options() {
+        forward_options fo;
+        fo.on_query = log_.hook();
+        return fo;
+    }
+    result forward_one(int token, std::vector<float>& logits, const forward_options& fo) {
+        if (result r = forward(*m_, cache_, token, logits, fo); !r) return r;
+        for (int l = 0; l < cache_.n_layers(); ++l)
+            for (int h = 0; h < cache_.n_kv_heads(); ++h) max_len_ = std::max(max_len_, cache_.length(l, h));
+        return result::success();
+    }
+
+    const model* m_;
+    const wo_factors* wo_;
+    method meth_;
+    session_options opt_;
+    kv_cache cache_;
+    query_log log_;
+    int since_evict_ = 0, evictions_ = 0, max_len_ = 0;
+};
+
+}  // namespace kvevict_engine

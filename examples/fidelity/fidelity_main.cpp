@@ -1,0 +1,463 @@
+// kvevict_fidelity: full KV cache vs evicted KV cache on the real stories260K model (the main job).
+//
+// For every excerpt of sherlock.txt (~prompt_tokens tokens each), every registered method
+// (methods.hpp) and every keep fraction f:
+//   1. full run: prefill the prompt (all queries captured), greedy continuation of `steps` tokens;
+//   2. evicted run: the prefilled cache, each layer evicted once by the method (one-shot, end of prefill,
+//      per-head budget floor(f * L)), then the full run's tokens fed back (teacher forcing);
+//   3. metrics: mean KL(full || evicted) of the next-token distributions over the `steps` positions, top-1
+//      agreement, greedy match length (steps before the first top-1 disagreement = tokens a free-running
+//      greedy decode from the evicted cache reproduces), per-layer relative attention-output error
+//      ||o - o_ev|| / ||o|| at the first decoding step (o: concatenated head outputs, the input of W_O,
+//      from forward_options::on_head_output; "isolated": layer l's full-cache query attends the evicted
+//      layer-l cache, so the error is that layer's eviction alone; also after W_O and "propagated"),
+//      bytes of fp32 K+V kept.
+// Prints a table, writes fidelity.csv (means over prompts) and fidelity_per_prompt.csv to --out.
+// --smoke: 1 prompt, fractions 0.2 and 0.5, 8 steps. Exit status 1 when the table is incomplete, a
+// figure is not finite or the measurement self-check fails; 0 with a message when the model or text
+// folder is missing under --smoke.
+#include "evict.hpp"
+#include "methods.hpp"
+#include "model_path.hpp"
+#include "tokenizer.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+using namespace kvevict_engine;
+
+namespace {
+
+/// Text folder: --data DIR, else $KVEVICT_DATA_DIR, else KVEVICT_SOURCE_DIR/../shared/data/text, else
+/// ../shared/data/text.
+std::string resolve_data_dir(const std::string& flag) {
+    if (!flag.empty()) return flag;
+    if (const char* e = std::getenv("KVEVICT_DATA_DIR"); e && *e) return e;
+#ifdef KVEVICT_SOURCE_DIR
+    return std::string(KVEVICT_SOURCE_DIR) + "/../shared/data/text";
+#else
+    return "../shared/data/text";
+#endif
+}
+
+struct options {
+    std::string model_flag, data_flag, out_dir = ".", only;
+    int prompts = 6, prompt_tokens = 448, steps = 64;
+    std::vector<double> fractions{0.1, 0.2, 0.3, 0.5};
+    bool smoke = false;
+};
+
+int usage(const char* argv0, const std::string& why) {
+    if (!why.empty()) std::fprintf(stderr, "error: %s\n", why.c_str());
+    std::fprintf(stderr,
+                 "usage: %s [--smoke] [--model DIR] [--data DIR] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
+                 "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..]\n"
+                 "  --smoke            1 prompt, fractions 0.2,0.5, 8 steps; checks the table (exit 1 if incomplete\n"
+                 "                     or not finite; exit 0 with a message if the model/text folder is missing)\n"
+                 "  --model DIR        model folder (default $KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K)\n"
+                 "  --data DIR         text folder with sherlock.txt (default $KVEVICT_DATA_DIR, else <repo>/../shared/data/text)\n"
+                 "  --out DIR          where fidelity.csv and fidelity_per_prompt.csv go (default .)\n"
+                 "  --prompts N        excerpts (default 6)\n"
+                 "  --prompt-tokens N  tokens per excerpt, BOS included (default 448)\n"
+                 "  --steps N          continuation tokens (default 64)\n"
+                 "  --fractions LIST   keep fractions in (0, 1] (default 0.1,0.2,0.3,0.5)\n"
+                 "  --methods LIST     only these rows (names as printed)\n",
+                 argv0);
+    return 2;
+}
+
+bool parse_int(const std::string& s, int lo, int hi, int& out) {
+    char* end = nullptr;
+    const long v = std::strtol(s.c_str(), &end, 10);
+    if (end == s.c_str() || *end != '\0' || v < lo || v > hi) return false;
+    out = int(v);
+    return true;
+}
+
+std::vector<std::string> split(const std::string& s) {
+    std::vector<std::string> out;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, ','))
+        if (!item.empty()) out.push_back(item);
+    return out;
+}
+
+/// `n` excerpts of `tokens` tokens (BOS first): starts spread evenly over the text, each moved to the
+/// next paragraph start.
+result make_prompts(const tokenizer& tok, const std::string& text, int n, int tokens, std::vector<std::vector<int>>& out) {
+    out.clear();
+    const size_t chars = size_t(tokens) * 3 + 64;  // ~1.7 chars per token: 3 is ample
+    if (text.size() < chars * 2) return result::failure("text too short for excerpts");
+    for (int i = 0; i < n; ++i) {
+        size_t start = (text.size() - chars) * size_t(2 * i + 1) / size_t(2 * n);
+        const size_t para = text.find("\n\n", start);
+        if (para != std::string::npos && para + chars < text.size()) start = para;
+        while (start < text.size() && (text[start] == '\n' || text[start] == ' ')) ++start;
+        std::string piece = text.substr(start, chars);
+        for (char& ch : piece)
+            if (ch == '\n') ch = ' ';  // prose, not line breaks (a 512-piece vocabulary has few '\n' merges)
+        std::vector<int> t = tok.encode(piece);
+        if (int(t.size()) < tokens) return result::failure("excerpt " + std::to_string(i) + " has only " + std::to_string(t.size()) + " tokens");
+        t.resize(size_t(tokens));
+        out.push_back(std::move(t));
+    }
+    return result::success();
+}
+
+/// log-softmax in fp64.
+std::vector<double> log_softmax(const std::vector<float>& x) {
+    double mx = -std::numeric_limits<double>::infinity();
+    for (float v : x) mx = std::max(mx, double(v));
+    double s = 0;
+    for (float v : x) s += std::exp(double(v) - mx);
+    const double lse = mx + std::log(s);
+    std::vector<double> out(x.size());
+    for (size_t i = 0; i < x.size(); ++i) out[i] = double(x[i]) - lse;
+    return out;
+}
+
+/// Attention output of one layer for query `q` (n_heads, hd) over the layer's cached slots plus one extra
+/// token (k_new, v_new: kv_dim), fp64, written to `o` (dim). Independent of forward()'s code path.
+void attend(const config& c, const kv_cache& cache, int l, const float* q, const float* k_new, const float* v_new, std::vector<double>& o) {
+    const int hd = c.head_dim(), G = c.kv_group();
+    o.assign(size_t(c.dim), 0.0);
+    const double scale = 1.0 / std::sqrt(double(hd));
+    std::vector<double> s;
+    for (int h = 0; h < c.n_heads; ++h) {
+        const int kvh = h / G, len = cache.length(l, kvh);
+        s.assign(size_t(len) + 1, 0.0);
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int t = 0; t <= len; ++t) {
+            const float* k = t < len ? cache.key(l, kvh, t) : k_new + size_t(kvh) * size_t(hd);
+            double acc = 0;
+            for (int d = 0; d < hd; ++d) acc += double(q[h * hd + d]) * k[d];
+            s[size_t(t)] = acc * scale;
+            mx = std::max(mx, s[size_t(t)]);
+        }
+        double sum = 0;
+        for (double& x : s) sum += (x = std::exp(x - mx));
+        for (int t = 0; t <= len; ++t) {
+            const float* v = t < len ? cache.value(l, kvh, t) : v_new + size_t(kvh) * size_t(hd);
+            for (int d = 0; d < hd; ++d) o[size_t(h * hd + d)] += s[size_t(t)] / sum * v[d];
+        }
+    }
+}
+
+double rel_err(const std::vector<double>& ref, const std::vector<double>& x) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i) { num += (ref[i] - x[i]) * (ref[i] - x[i]); den += ref[i] * ref[i]; }
+    return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+std::vector<double> apply_wo(const model& m, int l, const std::vector<double>& o) {
+    Eigen::VectorXd x = Eigen::Map<const Eigen::VectorXd>(o.data(), Eigen::Index(o.size()));
+    Eigen::VectorXd y = m.wo(l).cast<double>() * x;
+    return std::vector<double>(y.data(), y.data() + y.size());
+}
+
+/// Everything the full-cache run produces for one prompt.
+struct reference {
+    kv_cache prefilled;                     // cache right after the prompt
+    query_log queries;                      // every prompt query (H2O reads all)
+    int first = 0;                          // c0 = argmax of the prompt's last logits (identical for all)
+    std::vector<int> inputs;                // c0, t1, ..., t_{steps-1}
+    std::vector<std::vector<double>> logp;  // steps x vocab: full-cache next-token log-probs
+    std::vector<int> top1;                  // steps: full-cache argmax (t1 .. t_steps)
+    std::vector<std::vector<float>> q, k, v;      // per layer: c0's query (dim), key and value (kv_dim)
+    std::vector<std::vector<double>> o, y;        // per layer: c0's attention output (dim) and W_O o
+};
+
+result run_reference(const model& m, const std::vector<int>& prompt, int steps, reference& ref) {
+    const config& c = m.cfg;
+    ref.prefilled = kv_cache(c, int(prompt.size()) + steps + 1);
+    ref.queries = query_log(c, -1);
+    forward_options fo;
+    fo.on_query = ref.queries.hook();
+    std::vector<float> logits;
+    if (result r = prefill(m, ref.prefilled, prompt, logits, fo); !r) return r;
+    ref.first = argmax(logits);
+    kv_cache cache = ref.prefilled;
+    ref.q.assign(size_t(c.n_layers), {});
+    ref.o.assign(size_t(c.n_layers), {});
+    ref.y.assign(size_t(c.n_layers), {});
+    ref.k.assign(size_t(c.n_layers), std::vector<float>(size_t(c.kv_dim())));
+    ref.v.assign(size_t(c.n_layers), std::vector<float>(size_t(c.kv_dim())));
+    forward_options first;
+    first.on_query = [&](int l, std::int32_t, const float* q) { ref.q[size_t(l)].assign(q, q + c.dim); };
+    first.on_head_output = [&](int l, const float* o) { ref.o[size_t(l)].assign(o, o + c.dim); };
+    ref.inputs.clear();
+    ref.logp.clear();
+    ref.top1.clear();
+    int tok = ref.first;
+    for (int i = 0; i < steps; ++i) {
+        ref.inputs.push_back(tok);
+        if (result r = forward(m, cache, tok, logits, i == 0 ? first : forward_options{}); !r) return r;
+        ref.logp.push_back(log_softmax(logits));
+        tok = argmax(logits);
+        ref.top1.push_back(tok);
+    }
+    const int hd = c.head_dim();
+    for (int l = 0; l < c.n_layers; ++l) {
+        for (int h = 0; h < c.n_kv_heads; ++h) {
+            const int s = int(prompt.size());  // c0's slot in the unevicted cache
+            std::copy_n(cache.key(l, h, s), hd, ref.k[size_t(l)].begin() + h * hd);
+            std::copy_n(cache.value(l, h, s), hd, ref.v[size_t(l)].begin() + h * hd);
+        }
+        ref.y[size_t(l)] = apply_wo(m, l, ref.o[size_t(l)]);
+    }
+    return result::success();
+}
+
+struct metrics {
+    double kl = 0, top1 = 0, match = 0, kv_bytes = 0, oerr_prop = 0;
+    std::vector<double> oerr, oerr_wo;  // per layer (isolated)
+};
+double mean(const std::vector<double>& v) {
+    double s = 0;
+    for (double x : v) s += x;
+    return v.empty() ? 0.0 : s / double(v.size());
+}
+
+result evaluate(const model& m, const wo_factors& wo, const reference& ref, const method& meth, double fraction, metrics& out) {
+    const config& c = m.cfg;
+    kv_cache cache = ref.prefilled;
+    for (int l = 0; l < c.n_layers; ++l) {
+        layer_state s;
+        s.m = &m;
+        s.wo = &wo;
+        s.cache = &cache;
+        s.layer = l;
+        s.queries = &ref.queries;
+        s.budget = kvevict::budget_request::fraction(fraction);
+        s.next_query = ref.q[size_t(l)].data();
+        s.next_key = ref.k[size_t(l)].data();
+        s.next_value = ref.v[size_t(l)].data();
+        if (result r = meth.evict(s); !r) return r;
+    }
+    out = metrics{};
+    for (int l = 0; l < c.n_layers; ++l)
+        for (int h = 0; h < c.n_kv_heads; ++h) out.kv_bytes += double(cache.length(l, h)) * c.head_dim() * 2 * sizeof(float);
+    std::vector<double> o;
+    for (int l = 0; l < c.n_layers; ++l) {
+        attend(c, cache, l, ref.q[size_t(l)].data(), ref.k[size_t(l)].data(), ref.v[size_t(l)].data(), o);
+        out.oerr.push_back(rel_err(ref.o[size_t(l)], o));
+        out.oerr_wo.push_back(rel_err(ref.y[size_t(l)], apply_wo(m, l, o)));
+    }
+    std::vector<std::vector<double>> o_prop(size_t(c.n_layers));
+    forward_options first;
+    first.on_head_output = [&](int l, const float* x) { o_prop[size_t(l)].assign(x, x + c.dim); };
+    std::vector<float> logits;
+    const int steps = int(ref.inputs.size());
+    bool diverged = false;
+    for (int i = 0; i < steps; ++i) {
+        if (result r = forward(m, cache, ref.inputs[size_t(i)], logits, i == 0 ? first : forward_options{}); !r) return r;
+        const std::vector<double> lq = log_softmax(logits);
+        const std::vector<double>& lp = ref.logp[size_t(i)];
+        double kl = 0;
+        for (size_t t = 0; t < lp.size(); ++t) kl += std::exp(lp[t]) * (lp[t] - lq[t]);
+        out.kl += std::max(kl, 0.0);
+        const bool same = argmax(logits) == ref.top1[size_t(i)];
+        out.top1 += same ? 1 : 0;
+        if (!same) diverged = true;
+        if (!diverged) out.match += 1;
+    }
+    out.kl /= steps;
+    out.top1 /= steps;
+    for (int l = 0; l < c.n_layers; ++l) out.oerr_prop += rel_err(ref.o[size_t(l)], o_prop[size_t(l)]) / c.n_layers;
+    return result::success();
+}
+
+bool is_finite(double x) { return std::isfinite(x); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    options opt;
+    std::string fractions_flag, steps_flag, prompts_flag;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "-h" || a == "--help") return usage(argv[0], "");
+        if (a == "--smoke") { opt.smoke = true; continue; }
+        if (i + 1 >= argc) return usage(argv[0], "missing value for " + a);
+        const std::string v = argv[++i];
+        if (a == "--model") opt.model_flag = v;
+        else if (a == "--data") opt.data_flag = v;
+        else if (a == "--out") opt.out_dir = v;
+        else if (a == "--methods") opt.only = v;
+        else if (a == "--prompts") prompts_flag = v;
+        else if (a == "--steps") steps_flag = v;
+        else if (a == "--fractions") fractions_flag = v;
+        else if (a == "--prompt-tokens") {
+            if (!parse_int(v, 40, 1 << 20, opt.prompt_tokens)) return usage(argv[0], "--prompt-tokens needs an integer in 40..1048576");
+        } else return usage(argv[0], "unknown option " + a);
+    }
+    if (opt.smoke) {
+        opt.prompts = 1;
+        opt.steps = 8;
+        opt.fractions = {0.2, 0.5};
+    }
+    if (!prompts_flag.empty() && !parse_int(prompts_flag, 1, 1000, opt.prompts)) return usage(argv[0], "--prompts needs an integer in 1..1000");
+    if (!steps_flag.empty() && !parse_int(steps_flag, 1, 1 << 20, opt.steps)) return usage(argv[0], "--steps needs an integer in 1..1048576");
+    if (!fractions_flag.empty()) {
+        opt.fractions.clear();
+        for (const std::string& f : split(fractions_flag)) {
+            char* end = nullptr;
+            const double x = std::strtod(f.c_str(), &end);
+            if (end == f.c_str() || *end != '\0' || !(x > 0.0 && x <= 1.0)) return usage(argv[0], "--fractions: '" + f + "' is not in (0, 1]");
+            opt.fractions.push_back(x);
+        }
+        if (opt.fractions.empty()) return usage(argv[0], "--fractions is empty");
+    }
+
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string mdir = resolve_model_dir(opt.model_flag), ddir = resolve_data_dir(opt.data_flag);
+    const std::string text_path = ddir + "/sherlock.txt";
+    if (!model_dir_exists(mdir) || !std::filesystem::is_regular_file(text_path)) {
+        const std::string what = !model_dir_exists(mdir) ? "model folder '" + mdir + "'" : "text file '" + text_path + "'";
+        if (opt.smoke) {
+            std::printf("skipping fidelity smoke test: %s not found (set KVEVICT_MODEL_DIR / KVEVICT_DATA_DIR)\n", what.c_str());
+            return 0;
+        }
+        std::fprintf(stderr, "error: %s not found (use --model / --data, or KVEVICT_MODEL_DIR / KVEVICT_DATA_DIR)\n", what.c_str());
+        return 1;
+    }
+    model m;
+    if (result r = load_model(model_file(mdir), m); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+    tokenizer tok;
+    if (result r = tok.load(tokenizer_file(mdir), m.cfg.vocab_size); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+    std::ifstream tf(text_path, std::ios::binary);
+    const std::string text{std::istreambuf_iterator<char>(tf), std::istreambuf_iterator<char>()};
+    std::vector<std::vector<int>> prompts;
+    if (result r = make_prompts(tok, text, opt.prompts, opt.prompt_tokens, prompts); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+    wo_factors wo;
+    if (result r = wo.compute(m); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+
+    std::vector<method> methods = kvevict_fidelity::report_methods();
+    if (!opt.only.empty()) {
+        const std::vector<std::string> keep = split(opt.only);
+        std::vector<method> sel;
+        for (const std::string& name : keep) {
+            bool found = false;
+            for (const method& mm : methods)
+                if (mm.name == name) { sel.push_back(mm); found = true; }
+            if (!found) return usage(argv[0], "--methods: no row named '" + name + "'");
+        }
+        methods = sel;
+    }
+    const config& c = m.cfg;
+    std::printf("kvevict fidelity: stories260K (dim %d, %d layers, %d heads / %d KV heads, head_dim %d), %d excerpts of %d tokens "
+                "from sherlock.txt, %d continuation tokens, one-shot eviction at the end of prefill\n",
+                c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), opt.prompts, opt.prompt_tokens, opt.steps);
+
+    // results[method][fraction] = per-prompt metrics
+    std::vector<std::vector<std::vector<metrics>>> res(methods.size(), std::vector<std::vector<metrics>>(opt.fractions.size()));
+    bool ok = true;
+    double self_check = 0, full_bytes = 0;
+    std::vector<std::string> excerpt_text;
+    for (size_t p = 0; p < prompts.size(); ++p) {
+        reference ref;
+        if (result r = run_reference(m, prompts[p], opt.steps, ref); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+        // self-check of the isolated measurement: the unevicted cache must reproduce forward()'s output
+        std::vector<double> o;
+        for (int l = 0; l < c.n_layers; ++l) {
+            attend(c, ref.prefilled, l, ref.q[size_t(l)].data(), ref.k[size_t(l)].data(), ref.v[size_t(l)].data(), o);
+            self_check = std::max(self_check, rel_err(ref.o[size_t(l)], o));
+        }
+        full_bytes = double(prompts[p].size()) * c.n_layers * c.n_kv_heads * c.head_dim() * 2 * sizeof(float);
+        for (size_t i = 0; i < methods.size(); ++i)
+            for (size_t f = 0; f < opt.fractions.size(); ++f) {
+                metrics mt;
+                if (result r = evaluate(m, wo, ref, methods[i], opt.fractions[f], mt); !r) {
+                    std::fprintf(stderr, "error: %s at keep %.2f, prompt %zu: %s\n", methods[i].name.c_str(), opt.fractions[f], p, r.error.c_str());
+                    ok = false;
+                    continue;
+                }
+                res[i][f].push_back(mt);
+            }
+    }
+
+    // aggregate, print, write
+    std::filesystem::create_directories(opt.out_dir);
+    const std::string csv_path = opt.out_dir + "/fidelity.csv", pp_path = opt.out_dir + "/fidelity_per_prompt.csv";
+    std::ofstream csv(csv_path), pp(pp_path);
+    if (!csv || !pp) { std::fprintf(stderr, "error: cannot write %s\n", csv_path.c_str()); return 1; }
+    csv << "method,keep_fraction,prompts,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean";
+    for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_l" << l;
+    for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_wo_l" << l;
+    csv << ",kv_bytes,kv_bytes_full\n";
+    pp << "method,keep_fraction,prompt,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean,kv_bytes\n";
+    std::printf("\n%-13s %5s %9s %6s %6s %8s %8s %8s %9s %6s\n", "method", "keep", "KL", "top1", "match", "oerr", "oerr_WO", "oerr_pr", "KV KiB", "kept");
+    std::printf("%-13s %5s %9s %6s %6s %8s %8s %8s %9s %6s\n", "", "", "(nats)", "", "(tok)", "(iso)", "(iso)", "(prop)", "", "");
+    std::map<std::string, std::vector<std::vector<double>>> layer_err;  // name -> fraction -> per layer
+    int rows = 0;
+    for (size_t i = 0; i < methods.size(); ++i) {
+        for (size_t f = 0; f < opt.fractions.size(); ++f) {
+            const auto& v = res[i][f];
+            if (v.size() != prompts.size()) { ok = false; continue; }
+            metrics a;
+            a.oerr.assign(size_t(c.n_layers), 0.0);
+            a.oerr_wo.assign(size_t(c.n_layers), 0.0);
+            const double n = double(v.size());
+            for (size_t p = 0; p < v.size(); ++p) {
+                const metrics& x = v[p];
+                a.kl += x.kl / n; a.top1 += x.top1 / n; a.match += x.match / n; a.kv_bytes += x.kv_bytes / n; a.oerr_prop += x.oerr_prop / n;
+                for (int l = 0; l < c.n_layers; ++l) { a.oerr[size_t(l)] += x.oerr[size_t(l)] / n; a.oerr_wo[size_t(l)] += x.oerr_wo[size_t(l)] / n; }
+                pp << methods[i].name << ',' << opt.fractions[f] << ',' << p << ',' << x.kl << ',' << x.top1 << ',' << x.match << ','
+                   << mean(x.oerr) << ',' << mean(x.oerr_wo) << ',' << x.oerr_prop << ',' << x.kv_bytes << '\n';
+            }
+            std::vector<double> all{a.kl, a.top1, a.match, a.kv_bytes, a.oerr_prop};
+            all.insert(all.end(), a.oerr.begin(), a.oerr.end());
+            all.insert(all.end(), a.oerr_wo.begin(), a.oerr_wo.end());
+            for (double x : all)
+                if (!is_finite(x)) ok = false;
+            layer_err[methods[i].name].push_back(a.oerr);
+            csv << methods[i].name << ',' << opt.fractions[f] << ',' << v.size() << ',' << a.kl << ',' << a.top1 << ',' << a.match << ','
+                << mean(a.oerr) << ',' << mean(a.oerr_wo) << ',' << a.oerr_prop;
+            for (double x : a.oerr) csv << ',' << x;
+            for (double x : a.oerr_wo) csv << ',' << x;
+            csv << ',' << a.kv_bytes << ',' << full_bytes << '\n';
+            std::printf("%-13s %4.0f%% %9.5f %6.3f %6.1f %8.4f %8.4f %8.4f %9.1f %5.1f%%\n", methods[i].name.c_str(), 100 * opt.fractions[f], a.kl,
+                        a.top1, a.match, mean(a.oerr), mean(a.oerr_wo), a.oerr_prop, a.kv_bytes / 1024.0, 100.0 * a.kv_bytes / full_bytes);
+            ++rows;
+        }
+    }
+    csv.close();
+    pp.close();
+    std::printf("\nfull cache: %.1f KiB of fp32 K+V per prompt. KL, top1 and match over %d teacher-forced steps; oerr = mean over "
+                "layers of ||o - o_ev|| / ||o|| at the first decoding step.\n",
+                full_bytes / 1024.0, opt.steps);
+
+    // ReST-KV vs SnapKV per layer (the diagnostic docs/fidelity.md discusses)
+    if (layer_err.count("ReST-KV") && layer_err.count("SnapKV")) {
+        for (size_t f = 0; f < opt.fractions.size(); ++f) {
+            const auto& r = layer_err["ReST-KV"];
+            const auto& s = layer_err["SnapKV"];
+            if (f >= r.size() || f >= s.size()) continue;
+            std::printf("keep %3.0f%%: per-layer oerr ReST-KV / SnapKV:", 100 * opt.fractions[f]);
+            for (int l = 0; l < c.n_layers; ++l) std::printf(" L%d %.4f/%.4f%s", l, r[f][size_t(l)], s[f][size_t(l)], r[f][size_t(l)] <= s[f][size_t(l)] ? "" : "(!)");
+            std::printf("\n");
+        }
+    }
+    const int expected = int(methods.size() * opt.fractions.size());
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("self-check (unevicted cache, isolated attention vs forward()): max rel err %.2e\n", self_check);
+    std::printf("rows %d / %d; wrote %s and %s; %.1f s\n", rows, expected, csv_path.c_str(), pp_path.c_str(), secs);
+    if (self_check > 1e-4) { std::fprintf(stderr, "error: measurement self-check failed (%.3e > 1e-4)\n", self_check); ok = false; }
+    if (rows != expected) ok = false;
+    if (!ok) {
+        std::fprintf(stderr, "error: the table is incomplete or has non-finite figures\n");
+        return 1;
+    }
+    return 0;
+}

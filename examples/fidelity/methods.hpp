@@ -1,0 +1,71 @@
+// kvevict_fidelity: the registry of report rows (methods).
+//
+// A row is a kvevict_engine::method: a name, the number of window queries it reads, and a function that
+// evicts one layer of the engine's cache given the engine state (kvevict_engine::layer_state).
+// Built-in rows: ReST-KV, SnapKV, PyramidKV, AdaKV, H2O, TOVA, StreamingLLM, the random floor and the
+// oracle (orders 0..99). To add rows from a separate file, create examples/fidelity/methods_<name>.cpp
+// (CMake picks up every methods_*.cpp) containing, for example:
+//
+//   #include "methods.hpp"
+//   static kvevict_fidelity::register_method lkv_row(100, kvevict_engine::policy_method<my_policy>("LKV"));
+//
+// or any method whose `evict` function compacts the layer itself (see oracle.hpp for a hand-made one).
+// Rows are reported in increasing `order`, then registration order. See docs/fidelity.md.
+#pragma once
+
+#include "evict.hpp"
+#include "oracle.hpp"
+#include "random_policy.hpp"
+
+#include <kvevict/cpu.hpp>
+
+#include <algorithm>
+#include <vector>
+
+namespace kvevict_fidelity {
+
+struct registered_method {
+    int order = 0;
+    kvevict_engine::method m;
+};
+
+/// The global list of extra rows (function-local static: safe to use from static initialisers).
+inline std::vector<registered_method>& method_registry() {
+    static std::vector<registered_method> r;
+    return r;
+}
+
+/// Registers a row at static-initialisation time: `static register_method r(order, method);`.
+struct register_method {
+    register_method(int order, kvevict_engine::method m) { method_registry().push_back({order, std::move(m)}); }
+};
+
+/// The built-in rows, papers' default parameters, window 32 (H2O: every prompt query).
+inline std::vector<registered_method> builtin_methods() {
+    using namespace kvevict;
+    using kvevict_engine::policy_method;
+    std::vector<registered_method> v;
+    v.push_back({0, policy_method<presets::restkv>("ReST-KV")});
+    v.push_back({10, policy_method<presets::snapkv>("SnapKV")});
+    v.push_back({20, policy_method<presets::pyramidkv>("PyramidKV")});
+    v.push_back({30, policy_method<presets::adakv>("AdaKV")});
+    v.push_back({40, policy_method<presets::h2o>("H2O", presets::h2o::defaults(), -1)});
+    v.push_back({50, policy_method<presets::tova>("TOVA")});
+    v.push_back({60, policy_method<presets::streaming_llm>("StreamingLLM", presets::streaming_llm::defaults(), 0)});
+    v.push_back({70, random_method("Random")});
+    v.push_back({90, oracle_method("Oracle")});
+    return v;
+}
+
+/// Built-in rows followed by the registered ones, sorted by order (stable).
+inline std::vector<kvevict_engine::method> report_methods() {
+    std::vector<registered_method> all = builtin_methods();
+    const auto& extra = method_registry();
+    all.insert(all.end(), extra.begin(), extra.end());
+    std::stable_sort(all.begin(), all.end(), [](const registered_method& a, const registered_method& b) { return a.order < b.order; });
+    std::vector<kvevict_engine::method> out;
+    for (auto& r : all) out.push_back(std::move(r.m));
+    return out;
+}
+
+}  // namespace kvevict_fidelity

@@ -1,0 +1,128 @@
+// kvevict_fidelity: the ORACLE row - per layer, greedy token removal that directly minimises that
+// layer's attention-output error for the first decoding query (it sees the future query: an upper
+// reference for what a selection of the same size can do, not a method).
+//
+// Objective, per KV head h with query heads g of its GQA group (the metric of the report, whose squared
+// error is a sum over query heads, so heads are independent):
+//   E(keep) = sum_g || o_g - o_g(keep) ||^2,  o_g(keep) = softmax over (keep + new token) of q_g k / sqrt(d), times V
+// where q_g is the first decode token's query, the new token's own key/value is always attended (it
+// is appended before attention) and o_g is the full-cache output. Greedy backward elimination: while
+// the head holds more than its budget, remove the token whose removal gives the smallest E (ties: lower
+// slot). Each step is exact (not an approximation of E): with the kept set's running sums
+// S_g = sum e_gn and N_g = sum e_gn v_n (e_gn = exp(logit - max)), removing n gives
+// o_g' = (N_g - e_gn v_n) / (S_g - e_gn), O(G d) per candidate, O(L^2 G d) per head in all (fp64).
+// Greedy elimination is not guaranteed optimal (the exact optimum is a subset search); it is the
+// "cheaper but honest form" of brute force: every removal is chosen by the exact objective.
+// Budget per head: the same rule as the presets with nothing protected (kvevict::detail::plan_head,
+// num_sink 0, num_recent 0): floor(f * L) for a fraction, raised to 1.
+#pragma once
+
+#include "evict.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace kvevict_fidelity {
+
+/// Greedy oracle keep list of one KV head.
+/// @param K, V   (L, d) row-major keys (post-RoPE) and values of the cached tokens
+/// @param q      (G, d) the next token's queries of the group's query heads (post-RoPE, unscaled)
+/// @param k_new, v_new  (d) the next token's key and value (always attended)
+/// @param budget kept tokens (>= 0); budget >= L keeps everything
+/// @param keep   out: kept slots, ascending
+inline void oracle_keep_head(const float* K, const float* V, int L, int d, const float* q, int G, const float* k_new,
+                             const float* v_new, int budget, std::vector<std::int32_t>& keep) {
+    keep.clear();
+    if (budget >= L) {
+        for (int n = 0; n < L; ++n) keep.push_back(n);
+        return;
+    }
+    const double scale = 1.0 / std::sqrt(double(d));
+    std::vector<double> e(size_t(G) * size_t(L + 1), 0.0), S(size_t(G), 0.0), N(size_t(G) * size_t(d), 0.0), o(size_t(G) * size_t(d), 0.0);
+    for (int g = 0; g < G; ++g) {
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int n = 0; n <= L; ++n) {
+            const float* k = n < L ? K + size_t(n) * size_t(d) : k_new;
+            double s = 0;
+            for (int c = 0; c < d; ++c) s += double(q[g * d + c]) * k[c];
+            e[size_t(g) * size_t(L + 1) + size_t(n)] = s * scale;
+            mx = std::max(mx, s * scale);
+        }
+        double sum = 0;
+        for (int n = 0; n <= L; ++n) {
+            double& x = e[size_t(g) * size_t(L + 1) + size_t(n)];
+            x = std::exp(x - mx);
+            sum += x;
+            const float* v = n < L ? V + size_t(n) * size_t(d) : v_new;
+            for (int c = 0; c < d; ++c) N[size_t(g * d + c)] += x * v[c];
+        }
+        S[size_t(g)] = sum;
+        for (int c = 0; c < d; ++c) o[size_t(g * d + c)] = N[size_t(g * d + c)] / sum;
+    }
+    std::vector<char> alive(size_t(L), 1);
+    for (int left = L; left > budget; --left) {
+        int best = -1;
+        double best_err = std::numeric_limits<double>::infinity();
+        for (int n = 0; n < L; ++n) {
+            if (!alive[size_t(n)]) continue;
+            const float* v = V + size_t(n) * size_t(d);
+            double err = 0;
+            for (int g = 0; g < G; ++g) {
+                const double en = e[size_t(g) * size_t(L + 1) + size_t(n)];
+                const double inv = 1.0 / (S[size_t(g)] - en);  // > 0: the new token is always attended
+                for (int c = 0; c < d; ++c) {
+                    const double diff = o[size_t(g * d + c)] - (N[size_t(g * d + c)] - en * v[c]) * inv;
+                    err += diff * diff;
+                }
+            }
+            if (err < best_err) { best_err = err; best = n; }
+        }
+        alive[size_t(best)] = 0;
+        const float* v = V + size_t(best) * size_t(d);
+        for (int g = 0; g < G; ++g) {
+            const double en = e[size_t(g) * size_t(L + 1) + size_t(best)];
+            S[size_t(g)] -= en;
+            for (int c = 0; c < d; ++c) N[size_t(g * d + c)] -= en * v[c];
+        }
+    }
+    for (int n = 0; n < L; ++n)
+        if (alive[size_t(n)]) keep.push_back(n);
+}
+
+/// Registry row for the oracle. Needs layer_state::next_query / next_key / next_value (the report
+/// provides them; the engine's sessions do not, so the oracle fails there with a clear error).
+inline kvevict_engine::method oracle_method(std::string name = "Oracle") {
+    kvevict_engine::method m;
+    m.name = std::move(name);
+    m.window = 0;
+    m.evict = [](const kvevict_engine::layer_state& s) -> kvevict_engine::result {
+        using kvevict_engine::result;
+        if (!s.m || !s.cache) return result::failure("oracle: layer_state.m and .cache must be set");
+        if (!s.next_query || !s.next_key || !s.next_value)
+            return result::failure("oracle: needs the next token's query, key and value (layer_state::next_*)");
+        kvevict_engine::kv_cache& c = *s.cache;
+        const int H = c.n_kv_heads(), d = c.head_dim(), G = s.m->cfg.kv_group(), l = s.layer;
+        kvevict::selectors::topk::params sp;
+        sp.num_sink = 0;
+        sp.num_recent = 0;
+        if (const kvevict::status st = kvevict::detail::validate_budget(s.budget, sp, 0); !st.ok())
+            return result::failure(std::string("oracle: ") + st.message());
+        std::vector<std::int32_t> indptr(size_t(H) + 1, 0), indices, keep;
+        for (int h = 0; h < H; ++h) {
+            const int L = c.length(l, h);
+            const kvevict::detail::head_plan pl = kvevict::detail::plan_head(s.budget, sp, L, 0);
+            oracle_keep_head(c.key(l, h, 0), c.value(l, h, 0), L, d, s.next_query + size_t(h) * size_t(G) * size_t(d), G,
+                             s.next_key + size_t(h) * size_t(d), s.next_value + size_t(h) * size_t(d),
+                             pl.pass_through ? L : int(pl.base_budget), keep);
+            indices.insert(indices.end(), keep.begin(), keep.end());
+            indptr[size_t(h) + 1] = std::int32_t(indices.size());
+        }
+        if (indices.empty()) indices.push_back(0);  // valid pointer; indptr says 0 kept
+        return kvevict_engine::apply_selection(c, l, indptr.data(), indices.data());
+    };
+    return m;
+}
+
+}  // namespace kvevict_fidelity
