@@ -1,0 +1,568 @@
+// Every built-in policy on the CPU backend against the fp64 whole-pipeline reference
+// (tests/reference), in all three storage types where the storage is read; GQA reductions;
+// failure kinds 1, 2, 3, 4, 8, 9, 10 of /work/shared/spec/failure-kinds.md at the policy level.
+#include <doctest/doctest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "reference/harness.hpp"
+
+using kvevict::bfloat16_t;
+using kvevict::half_t;
+using kvtest::layout;
+using kvtest::ref_config;
+using kvtest::scorer_kind;
+using kvtest::spatial_kind;
+namespace kv = kvevict;
+
+namespace {
+
+template <class T>
+const char* type_name() {
+  return kv::to_string(kv::dtype_of<T>::value);
+}
+
+/// Run Policy on `seeds` random problems of shape s and compare with the reference.
+/// Returns the number of rows whose selection was compared as exact sets.
+template <class Policy, class T>
+int check_policy(const typename Policy::params& params, const ref_config& cfg, const kvtest::shape& s,
+                 kv::budget_request budget, std::uint64_t seed0, int seeds, std::vector<std::int32_t> lens = {},
+                 double rtol = kvtest::score_rtol, double atol = kvtest::score_atol) {
+  int sets = 0;
+  for (int i = 0; i < seeds; ++i) {
+    const std::uint64_t seed = seed0 + static_cast<std::uint64_t>(i);
+    kvtest::problem p = kvtest::make_problem(s, seed, 1.0, 1.5, 1.0, lens);
+    kvtest::quantize<T>(p);
+    kvtest::stored<T> st;
+    kvtest::store(p, layout::nhd, st);
+    kv::evictor<Policy, kv::cpu::backend> ev(params);
+    auto lib = kvtest::run_lib(ev, st.in, budget);
+    auto ref = kvtest::reference_run(p, cfg);
+    CAPTURE(seed);
+    CAPTURE(type_name<T>());
+    CAPTURE(budget.keep_tokens);
+    CAPTURE(budget.keep_fraction);
+    const std::string diff = kvtest::compare(lib, ref, rtol, atol, &sets);
+    CHECK_MESSAGE(diff.empty(), diff);
+    // non-vacuity: something was evicted somewhere
+    std::int64_t kept = lib.indptr.back(), total = 0;
+    for (std::int64_t b = 0; b < s.batch; ++b)
+      for (std::int64_t h = 0; h < ev.out_heads(st.in); ++h) total += p.length(b, h / (ev.out_heads(st.in) / s.kv_heads));
+    CHECK(kept < total);
+  }
+  return sets;
+}
+
+ref_config cfg_tokens(ref_config c, std::int64_t b) {
+  c.keep_tokens = b;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("SnapKV (attention weight, sum, avg pool 5) vs reference", T, float, half_t, bfloat16_t) {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 2, s.cap = 64, s.d = 16, s.window = 8;
+  ref_config c;
+  c.scorer = scorer_kind::attention_weight;
+  c.temporal = kvref::temporal_kind::sum;
+  c.spatial = spatial_kind::avg_pool;
+  c.kernel = 5;
+  const int sets = check_policy<kv::presets::snapkv, T>(kv::presets::snapkv::defaults(), cfg_tokens(c, 24), s,
+                                                        kv::budget_request::tokens(24), 100, 4);
+  CHECK(sets >= 8);
+}
+
+TEST_CASE_TEMPLATE("H2O (accumulated attention, full causal, recent share 0.5) vs reference", T, float, half_t, bfloat16_t) {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 2, s.cap = 40, s.d = 16, s.window = 40;  // W = L: every prompt query
+  for (bool norm : {false, true}) {
+    CAPTURE(norm);
+    auto params = kv::presets::h2o::defaults();
+    params.scorer.normalize_by_visible = norm;
+    ref_config c;
+    c.scorer = scorer_kind::accumulated;
+    c.normalize_visible = norm;
+    c.recent_share = 0.5;
+    c.keep_tokens = 16;
+    const int sets = check_policy<kv::presets::h2o, T>(params, c, s, kv::budget_request::tokens(16), 200, 3);
+    CHECK(sets >= 3);
+  }
+}
+
+TEST_CASE_TEMPLATE("key norm vs reference", T, float, half_t, bfloat16_t) {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 1, s.cap = 50, s.d = 8, s.window = 4;
+  ref_config c;
+  c.scorer = scorer_kind::key_norm;
+  const int sets = check_policy<kv::presets::key_norm, T>(kv::presets::key_norm::defaults(), cfg_tokens(c, 20), s,
+                                                          kv::budget_request::tokens(20), 300, 3);
+  CHECK(sets >= 6);
+}
+
+TEST_CASE_TEMPLATE("ReST-KV preset (LOR after, EMA 0.3, adaptive window) vs reference", T, float, half_t, bfloat16_t) {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 2, s.cap = 96, s.d = 16, s.window = 16, s.hidden = 48;
+  ref_config c;
+  c.scorer = scorer_kind::lor;
+  c.temporal = kvref::temporal_kind::ema;
+  c.alpha = static_cast<double>(0.3f);
+  c.spatial = spatial_kind::adaptive;
+  c.beta = 2000.0;
+  c.k_min = 5;
+  for (auto g : {kv::gqa_reduction::mean, kv::gqa_reduction::per_query_head}) {
+    auto params = kv::presets::restkv::defaults();
+    params.gqa = g;
+    c.gqa = g == kv::gqa_reduction::mean ? kvref::gqa_kind::mean : kvref::gqa_kind::per_query_head;
+    CAPTURE(kv::to_string(g));
+    const int sets = check_policy<kv::presets::restkv, T>(params, cfg_tokens(c, 40), s, kv::budget_request::tokens(40), 400, 3);
+    CHECK(sets >= 3);
+  }
+}
+
+TEST_CASE("TOVA (last query, layer mean, nothing protected) vs reference") {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 3, s.cap = 40, s.d = 16, s.window = 6;
+  ref_config c;
+  c.scorer = scorer_kind::last_query;
+  c.temporal = kvref::temporal_kind::last;
+  c.gqa = kvref::gqa_kind::layer_mean;
+  c.num_recent = 0;
+  const int sets = check_policy<kv::presets::tova, float>(kv::presets::tova::defaults(), cfg_tokens(c, 12), s,
+                                                          kv::budget_request::tokens(12), 500, 3);
+  CHECK(sets >= 6);
+  // one token set per layer: every KV head of a sequence keeps the same slots
+  kvtest::problem p = kvtest::make_problem(s, 77);
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::hnd, st);
+  kv::evictor<kv::presets::tova, kv::cpu::backend> ev;
+  auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(12));
+  REQUIRE(lib.st.ok());
+  CHECK(lib.kept(0) == lib.kept(1));
+  CHECK(lib.kept(2) == lib.kept(3));
+}
+
+TEST_CASE("StreamingLLM (no scores): 4 sinks + recent tokens") {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 1, s.cap = 30, s.d = 8, s.window = 4;
+  ref_config c;
+  c.scorer = scorer_kind::key_norm;  // unused: no scores
+  c.num_sink = 4;
+  c.recent_share = 1.0;
+  kvtest::problem p = kvtest::make_problem(s, 5);
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::nhd, st);
+  kv::evictor<kv::presets::streaming_llm, kv::cpu::backend> ev;
+  auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(10));
+  REQUIRE(lib.st.ok());
+  const std::vector<std::int32_t> want = {0, 1, 2, 3, 24, 25, 26, 27, 28, 29};
+  CHECK(lib.kept(0) == want);
+  CHECK(lib.kept(1) == want);
+}
+
+TEST_CASE("attention weight with EMA / reversed EMA / mean / last and max pool, avg pool, adaptive window") {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 2, s.cap = 70, s.d = 16, s.window = 12;
+  using aw_max = kv::eviction_policy<kv::scorers::attention_weight, kv::temporal::ema, kv::spatial::max_pool>;
+  using aw_rev = kv::eviction_policy<kv::scorers::attention_weight, kv::temporal::reversed_ema, kv::spatial::adaptive_window>;
+  using aw_mean = kv::eviction_policy<kv::scorers::attention_weight, kv::temporal::mean, kv::spatial::avg_pool>;
+  using aw_last = kv::eviction_policy<kv::scorers::attention_weight, kv::temporal::last, kv::spatial::none>;
+  ref_config c;
+  c.scorer = scorer_kind::attention_weight;
+  {
+    auto p = aw_max::defaults();
+    p.temporal.alpha = 0.25f;
+    p.spatial.kernel = 3;
+    p.gqa = kv::gqa_reduction::max;
+    p.selector.num_sink = 2;
+    auto cc = c;
+    cc.temporal = kvref::temporal_kind::ema, cc.alpha = 0.25, cc.spatial = spatial_kind::max_pool, cc.kernel = 3;
+    cc.gqa = kvref::gqa_kind::max, cc.num_sink = 2;
+    CHECK(check_policy<aw_max, float>(p, cfg_tokens(cc, 30), s, kv::budget_request::tokens(30), 600, 3) >= 3);
+  }
+  {
+    auto p = aw_rev::defaults();
+    p.temporal.alpha = 0.5f;
+    p.spatial.beta = 3.0f;  // small beta: drift of a few tokens gives wide shifted kernels
+    auto cc = c;
+    cc.temporal = kvref::temporal_kind::reversed_ema, cc.alpha = 0.5, cc.spatial = spatial_kind::adaptive, cc.beta = 3.0;
+    CHECK(check_policy<aw_rev, float>(p, cfg_tokens(cc, 30), s, kv::budget_request::tokens(30), 700, 3) >= 3);
+    p.spatial.reference_exact = false;
+    cc.reference_exact = false;
+    CHECK(check_policy<aw_rev, float>(p, cfg_tokens(cc, 30), s, kv::budget_request::tokens(30), 710, 3) >= 3);
+  }
+  {
+    auto p = aw_mean::defaults();
+    p.spatial.kernel = 7;
+    auto cc = c;
+    cc.temporal = kvref::temporal_kind::mean, cc.spatial = spatial_kind::avg_pool, cc.kernel = 7;
+    cc.keep_fraction = 0.4;
+    CHECK(check_policy<aw_mean, float>(p, cc, s, kv::budget_request::fraction(0.4), 800, 3) >= 3);
+  }
+  {
+    auto p = aw_last::defaults();
+    p.gqa = kv::gqa_reduction::per_query_head;
+    auto cc = c;
+    cc.temporal = kvref::temporal_kind::last, cc.gqa = kvref::gqa_kind::per_query_head;
+    CHECK(check_policy<aw_last, float>(p, cfg_tokens(cc, 25), s, kv::budget_request::tokens(25), 900, 3) >= 6);
+  }
+}
+
+TEST_CASE("budgeters through the evictor: PyramidKV (integer and exact) and AdaKV") {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 4, s.group = 1, s.cap = 80, s.d = 16, s.window = 8;
+  ref_config c;
+  c.scorer = scorer_kind::attention_weight;
+  c.spatial = spatial_kind::avg_pool;
+  c.keep_tokens = 24;
+  for (int layer : {0, 3, 7}) {
+    CAPTURE(layer);
+    auto p = kv::presets::pyramidkv::defaults();
+    auto cc = c;
+    cc.budgeter = kvtest::budget_kind::pyramid;
+    cc.layer = layer, cc.num_layers = 8;
+    for (bool exact : {false, true}) {
+      CAPTURE(exact);
+      p.budgeter.exact_total = exact;
+      cc.pyramid_exact = exact;
+      kvtest::problem pr = kvtest::make_problem(s, 1000 + static_cast<std::uint64_t>(layer));
+      kvtest::stored<float> st;
+      kvtest::store(pr, layout::nhd, st);
+      st.in.layer_idx = layer;
+      st.in.num_layers = 8;
+      kv::evictor<kv::presets::pyramidkv, kv::cpu::backend> ev(p);
+      auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(24));
+      const std::string diff = kvtest::compare(lib, kvtest::reference_run(pr, cc));
+      CHECK_MESSAGE(diff.empty(), diff);
+      CHECK(lib.indptr.back() == ev.max_selected(st.in, kv::budget_request::tokens(24)));
+    }
+  }
+  {
+    auto cc = c;
+    cc.budgeter = kvtest::budget_kind::adakv;
+    cc.adakv_alpha = static_cast<double>(0.2f);
+    int uneven = 0;
+    for (std::uint64_t seed = 1100; seed < 1104; ++seed) {
+      kvtest::problem pr = kvtest::make_problem(s, seed);
+      // heads with very different attention sharpness, so AdaKV moves budget between them
+      for (std::int64_t b = 0; b < s.batch; ++b)
+        for (std::int64_t hq = 0; hq < s.q_heads(); ++hq)
+          for (std::int64_t j = 0; j < s.window; ++j)
+            for (std::int64_t d = 0; d < s.d; ++d) pr.Q[pr.q_idx(b, hq, j, d)] *= 0.3 + 1.2 * static_cast<double>(hq);
+      kvtest::stored<float> st;
+      kvtest::store(pr, layout::nhd, st);
+      kv::evictor<kv::presets::adakv, kv::cpu::backend> ev;
+      auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(24));
+      CAPTURE(seed);
+      const std::string diff = kvtest::compare(lib, kvtest::reference_run(pr, cc));
+      CHECK_MESSAGE(diff.empty(), diff);
+      for (std::int64_t r = 0; r < lib.rows; ++r) uneven += lib.indptr[static_cast<std::size_t>(r + 1)] - lib.indptr[static_cast<std::size_t>(r)] != 24;
+      CHECK(lib.indptr.back() == 24 * lib.rows);  // the layer total is exact
+    }
+    CHECK(uneven > 0);
+  }
+}
+
+// ---- GQA ----------------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("GQA: mean / max / per-query-head / layer-mean vs reference; the cache keeps kv_heads heads", T, float,
+                   half_t) {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 4, s.cap = 48, s.d = 16, s.window = 8;
+  using P = kv::presets::snapkv;
+  const kv::gqa_reduction modes[] = {kv::gqa_reduction::mean, kv::gqa_reduction::max, kv::gqa_reduction::per_query_head,
+                                     kv::gqa_reduction::layer_mean};
+  const kvref::gqa_kind rmodes[] = {kvref::gqa_kind::mean, kvref::gqa_kind::max, kvref::gqa_kind::per_query_head,
+                                    kvref::gqa_kind::layer_mean};
+  for (int m = 0; m < 4; ++m) {
+    CAPTURE(kv::to_string(modes[m]));
+    auto params = P::defaults();
+    params.gqa = modes[m];
+    ref_config c;
+    c.scorer = scorer_kind::attention_weight;
+    c.spatial = spatial_kind::avg_pool;
+    c.gqa = rmodes[m];
+    c.keep_tokens = 20;
+    check_policy<P, T>(params, c, s, kv::budget_request::tokens(20), 1200 + static_cast<std::uint64_t>(m) * 10, 2);
+
+    // rows and memory after compaction
+    kvtest::problem p = kvtest::make_problem(s, 1300);
+    kvtest::stored<T> st;
+    kvtest::store(p, layout::hnd, st);
+    kv::evictor<P, kv::cpu::backend> ev(params);
+    auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(20));
+    REQUIRE(lib.st.ok());
+    const std::int64_t heads = modes[m] == kv::gqa_reduction::per_query_head ? s.q_heads() : s.kv_heads;
+    CHECK(lib.rows == s.batch * heads);
+    std::vector<T> kc(static_cast<std::size_t>(lib.indptr.back() * s.d)), vc(kc.size());
+    const kv::const_selection_view cs(lib.indptr.data(), lib.indices.data(), lib.rows);
+    REQUIRE(kv::cpu::compact_ragged<T>(st.in.keys, cs, kc.data(), static_cast<std::int64_t>(kc.size())).ok());
+    REQUIRE(kv::cpu::compact_ragged<T>(st.in.values, cs, vc.data(), static_cast<std::int64_t>(vc.size())).ok());
+    const std::size_t bytes = (kc.size() + vc.size()) * sizeof(T);
+    const std::size_t expect = static_cast<std::size_t>(20 * heads * s.batch * s.d * 2) * sizeof(T);
+    CHECK(bytes == expect);
+    if (modes[m] != kv::gqa_reduction::per_query_head)
+      CHECK(bytes * static_cast<std::size_t>(s.group) == static_cast<std::size_t>(20 * s.q_heads() * s.batch * s.d * 2) * sizeof(T));
+  }
+}
+
+// ---- failure kind 1: degenerate sizes -----------------------------------------------------
+
+TEST_CASE_TEMPLATE("failure kind 1: L = 0, 1, L <= window, budget >= L pass through; fractions never empty a head", T,
+                   float, bfloat16_t) {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 3, s.group = 2, s.cap = 20, s.d = 8, s.window = 4, s.hidden = 16;
+  // lengths: 0, 1, 3 (< window), 4 (= window), 6 (= budget), 20
+  const std::vector<std::int32_t> lens = {0, 1, 3, 4, 6, 20};
+  kvtest::problem p = kvtest::make_problem(s, 42, 1.0, 1.0, 1.0, lens);
+  kvtest::quantize<T>(p);
+  kvtest::stored<T> st;
+  kvtest::store(p, layout::nhd, st);
+  kv::evictor<kv::presets::restkv, kv::cpu::backend> ev;
+  auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(6));
+  REQUIRE(lib.st.ok());
+  for (std::int64_t r = 0; r < 6; ++r) {
+    CAPTURE(r);
+    const auto kept = lib.kept(r);
+    const std::int64_t L = lens[static_cast<std::size_t>(r)];
+    if (L <= 6) {
+      std::vector<std::int32_t> all;
+      for (std::int32_t i = 0; i < L; ++i) all.push_back(i);
+      CHECK(kept == all);
+    } else {
+      CHECK(kept.size() == 6);
+      for (std::int32_t i = 16; i < 20; ++i) CHECK(std::binary_search(kept.begin(), kept.end(), i));
+    }
+    for (std::int64_t n = 0; n < s.cap; ++n) CHECK(std::isfinite(lib.row_scores(r)[n]));
+  }
+  ref_config c;
+  c.scorer = scorer_kind::lor, c.temporal = kvref::temporal_kind::ema, c.alpha = static_cast<double>(0.3f);
+  c.spatial = spatial_kind::adaptive, c.keep_tokens = 6;
+  const std::string diff = kvtest::compare(lib, kvtest::reference_run(p, c));
+  CHECK_MESSAGE(diff.empty(), diff);
+
+  // budget == window keeps exactly the window
+  auto lib2 = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(4));
+  REQUIRE(lib2.st.ok());
+  CHECK(lib2.kept(5) == std::vector<std::int32_t>{16, 17, 18, 19});
+  // a fraction that floors to 0: the window is kept, and with nothing protected 1 token
+  auto lib3 = kvtest::run_lib(ev, st.in, kv::budget_request::fraction(0.01));
+  REQUIRE(lib3.st.ok());
+  CHECK(lib3.kept(5) == std::vector<std::int32_t>{16, 17, 18, 19});
+  CHECK(lib3.kept(1) == std::vector<std::int32_t>{0});
+  auto p2 = kv::presets::snapkv::defaults();
+  p2.selector.num_recent = 0;
+  kv::evictor<kv::presets::snapkv, kv::cpu::backend> ev2(p2);
+  auto lib4 = kvtest::run_lib(ev2, st.in, kv::budget_request::fraction(0.01));
+  REQUIRE(lib4.st.ok());
+  for (std::int64_t r = 0; r < 6; ++r) CHECK(lib4.kept(r).size() == (lens[static_cast<std::size_t>(r)] > 0 ? 1u : 0u));
+  // a single-token cache with capacity 1 and window 1
+  kvtest::shape s1;
+  s1.batch = 1, s1.kv_heads = 1, s1.group = 1, s1.cap = 1, s1.d = 4, s1.window = 1, s1.hidden = 8;
+  kvtest::problem p1 = kvtest::make_problem(s1, 1);
+  kvtest::stored<T> st1;
+  kvtest::store(p1, layout::hnd, st1);
+  auto lib5 = kvtest::run_lib(ev, st1.in, kv::budget_request::tokens(1));
+  REQUIRE(lib5.st.ok());
+  CHECK(lib5.kept(0) == std::vector<std::int32_t>{0});
+}
+
+// ---- failure kind 2: protected tokens under hostile scores ---------------------------------
+
+namespace {
+/// A user scorer that writes hostile values: mode 0 all equal, 1 NaN, 2 +inf, 3 FLT_MAX,
+/// 4 -inf on protected slots and +inf on candidates, 5 NaN on protected and FLT_MAX elsewhere.
+struct hostile_scorer {
+  struct params {
+    int mode = 0;
+    int window = 4, sinks = 2;
+  };
+  static constexpr const char* name = "hostile";
+  static constexpr bool needs_queries = false;
+  static constexpr bool needs_values = false;
+  static constexpr bool window_attention = false;
+  static constexpr bool has_scores = true;
+  static bool needs_wo_factor(const params&) { return false; }
+  static kv::status check(const params&) { return {}; }
+  static void score_kv_head(const params& p, const kv::cpu::head_inputs& hi, float* out) {
+    const float inf = std::numeric_limits<float>::infinity();
+    for (std::int64_t n = 0; n < hi.length; ++n) {
+      const bool prot = n < p.sinks || n >= hi.length - p.window;
+      float v = 0.0f;
+      switch (p.mode) {
+        case 0: v = 1.0f; break;
+        case 1: v = std::numeric_limits<float>::quiet_NaN(); break;
+        case 2: v = inf; break;
+        case 3: v = FLT_MAX; break;
+        case 4: v = prot ? -inf : inf; break;
+        default: v = prot ? std::numeric_limits<float>::quiet_NaN() : FLT_MAX; break;
+      }
+      out[n] = v;
+    }
+  }
+};
+}  // namespace
+
+TEST_CASE("failure kind 2: sinks and window kept under equal, NaN, inf and FLT_MAX scores; exact count") {
+  using P = kv::eviction_policy<hostile_scorer, kv::temporal::last, kv::spatial::avg_pool>;
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 1, s.cap = 30, s.d = 8, s.window = 4;
+  kvtest::problem pr = kvtest::make_problem(s, 3);
+  kvtest::stored<float> st;
+  kvtest::store(pr, layout::nhd, st);
+  for (int mode = 0; mode < 6; ++mode) {
+    CAPTURE(mode);
+    auto p = P::defaults();
+    p.scorer.mode = mode;
+    p.selector.num_sink = 2;
+    kv::evictor<P, kv::cpu::backend> ev(p);
+    auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(10));
+    REQUIRE(lib.st.ok());
+    for (std::int64_t r = 0; r < 2; ++r) {
+      const auto kept = lib.kept(r);
+      CHECK(kept.size() == 10);
+      for (std::int32_t i : {0, 1, 26, 27, 28, 29}) CHECK(std::binary_search(kept.begin(), kept.end(), i));
+      for (std::int64_t n = 0; n < s.cap; ++n) CHECK(std::isfinite(lib.row_scores(r)[n]));
+      if (mode == 0 || mode == 1) CHECK(kept == std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 26, 27, 28, 29});  // ties: lower index
+    }
+  }
+}
+
+// ---- failure kind 3: low-precision overflow ------------------------------------------------
+
+TEST_CASE_TEMPLATE("failure kind 3: large norms in fp16/bf16 give finite scores close to fp64", T, half_t, bfloat16_t) {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 2, s.cap = 64, s.d = 16, s.window = 8, s.hidden = 32;
+  // fp16: entries ~ 100 (|k| ~ 400, logits ~ 1e4: one-hot attention); bf16: entries ~ 1e19,
+  // whose logits overflow fp32 (recomputed in fp64 by the backend).
+  const double big = std::is_same<T, half_t>::value ? 100.0 : 1e19;
+  for (std::uint64_t seed = 0; seed < 3; ++seed) {
+    CAPTURE(seed);
+    kvtest::problem p = kvtest::make_problem(s, 1400 + seed, big, big, std::is_same<T, half_t>::value ? 300.0 : 1e30);
+    // a few softer keys so that not every row is exactly one-hot
+    for (std::int64_t n = 0; n < 20; n += 2)
+      for (std::int64_t h = 0; h < s.kv_heads; ++h)
+        for (std::int64_t d = 0; d < s.d; ++d) p.K[p.kv_idx(0, h, n, d)] *= 1e-3;
+    kvtest::quantize<T>(p);
+    kvtest::stored<T> st;
+    kvtest::store(p, layout::nhd, st);
+    kv::evictor<kv::presets::restkv, kv::cpu::backend> ev;
+    auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(24));
+    REQUIRE(lib.st.ok());
+    ref_config c;
+    c.scorer = scorer_kind::lor, c.temporal = kvref::temporal_kind::ema, c.alpha = static_cast<double>(0.3f);
+    c.spatial = spatial_kind::adaptive, c.keep_tokens = 24, c.eval = kvref::lor_eval::exact;
+    const auto ref = kvtest::reference_run(p, c);
+    const std::string diff = kvtest::compare(lib, ref, 1e-3, 1e-5);
+    CHECK_MESSAGE(diff.empty(), diff);
+    // SnapKV on the same data: attention weights stay in [0, w]
+    kv::evictor<kv::presets::snapkv, kv::cpu::backend> ev2;
+    auto lib2 = kvtest::run_lib(ev2, st.in, kv::budget_request::tokens(24));
+    REQUIRE(lib2.st.ok());
+    for (float x : lib2.scores) CHECK((std::isfinite(x) && x <= 8.0f + 1e-3f));
+  }
+}
+
+// ---- failure kind 8: batches ---------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("failure kind 8: a padded batch equals the sequences run one by one", T, float, half_t) {
+  kvtest::shape s;
+  s.batch = 3, s.kv_heads = 2, s.group = 2, s.cap = 40, s.d = 16, s.window = 6, s.hidden = 32;
+  const std::vector<std::int32_t> seq_lens = {40, 25, 33};
+  std::vector<std::int32_t> lens;
+  for (auto L : seq_lens) lens.insert(lens.end(), {L, L});
+  kvtest::problem p = kvtest::make_problem(s, 1500, 1.0, 1.0, 1.0, lens);  // pad slots are NaN
+  kvtest::quantize<T>(p);
+  kvtest::stored<T> st;
+  kvtest::store(p, layout::nhd, st);
+  for (int pol = 0; pol < 2; ++pol) {
+    CAPTURE(pol);
+    const auto budget = kv::budget_request::fraction(0.5);
+    kv::evictor<kv::presets::restkv, kv::cpu::backend> ev;
+    kv::evictor<kv::presets::snapkv, kv::cpu::backend> ev2;
+    auto run = [&](const kv::layer_inputs<T>& in) { return pol == 0 ? kvtest::run_lib(ev, in, budget) : kvtest::run_lib(ev2, in, budget); };
+    auto all = run(st.in);
+    REQUIRE(all.st.ok());
+    for (std::int64_t b = 0; b < s.batch; ++b) {
+      CAPTURE(b);
+      kvtest::shape s1 = s;
+      s1.batch = 1;
+      s1.cap = seq_lens[static_cast<std::size_t>(b)];
+      kvtest::problem p1 = kvtest::make_problem(s1, 0);
+      for (std::int64_t h = 0; h < s.kv_heads; ++h)
+        for (std::int64_t n = 0; n < s1.cap; ++n)
+          for (std::int64_t d = 0; d < s.d; ++d) {
+            p1.K[p1.kv_idx(0, h, n, d)] = p.K[p.kv_idx(b, h, n, d)];
+            p1.V[p1.kv_idx(0, h, n, d)] = p.V[p.kv_idx(b, h, n, d)];
+          }
+      for (std::int64_t hq = 0; hq < s.q_heads(); ++hq)
+        for (std::int64_t j = 0; j < s.window; ++j)
+          for (std::int64_t d = 0; d < s.d; ++d) p1.Q[p1.q_idx(0, hq, j, d)] = p.Q[p.q_idx(b, hq, j, d)];
+      p1.WO = p.WO;
+      kvtest::stored<T> st1;
+      kvtest::store(p1, layout::hnd, st1);
+      auto one = run(st1.in);
+      REQUIRE(one.st.ok());
+      for (std::int64_t h = 0; h < s.kv_heads; ++h) {
+        CAPTURE(h);
+        const auto a = all.kept(b * s.kv_heads + h), o = one.kept(h);
+        CHECK(a == o);
+        CHECK(static_cast<std::int64_t>(a.size()) == seq_lens[static_cast<std::size_t>(b)] / 2);
+        for (auto i : a) CHECK(i < seq_lens[static_cast<std::size_t>(b)]);  // pad slots never kept
+        for (std::int64_t n = 0; n < s1.cap; ++n)
+          CHECK(all.row_scores(b * s.kv_heads + h)[n] == doctest::Approx(one.row_scores(h)[n]).epsilon(1e-5));
+        for (std::int64_t n = s1.cap; n < s.cap; ++n) CHECK(all.row_scores(b * s.kv_heads + h)[n] == 0.0f);
+      }
+    }
+  }
+}
+
+// ---- failure kinds 9 and 10: accounting, order, positions -----------------------------------
+
+TEST_CASE("failure kinds 9, 10: exact counts, workspace query, compaction shrinks, ascending order, positions") {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 2, s.cap = 50, s.d = 8, s.window = 5, s.hidden = 16;
+  kvtest::problem p = kvtest::make_problem(s, 1600);
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::nhd, st);
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(s.batch * s.kv_heads * s.cap));
+  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int32_t>(1000 + 3 * i);  // logical != slot
+  st.in.positions = kv::make_positions_view(pos.data(), s.batch, s.kv_heads, s.cap);
+  kv::evictor<kv::presets::restkv, kv::cpu::backend> ev;
+  const auto budget = kv::budget_request::tokens(17);
+  const std::int64_t n = ev.max_selected(st.in, budget);
+  CHECK(n == 17 * s.batch * s.kv_heads);
+  const std::size_t ws = ev.workspace_size(st.in);
+  CHECK(ws > 0);
+  CHECK(ws == ev.workspace_size(st.in));
+  std::vector<unsigned char> w(ws + 256);
+  void* base = w.data() + (256 - reinterpret_cast<std::uintptr_t>(w.data()) % 256) % 256;
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(s.batch * s.kv_heads + 1)), idx(static_cast<std::size_t>(n)), kp(idx.size());
+  kv::selection_view sel{indptr.data(), idx.data(), kp.data(), n};
+  const auto stt = ev.run(st.in, budget, sel, base, ws);
+  REQUIRE_MESSAGE(stt.ok(), stt.message());
+  CHECK(indptr.back() == n);
+  for (std::int64_t r = 0; r < s.batch * s.kv_heads; ++r) {
+    CHECK(indptr[static_cast<std::size_t>(r + 1)] - indptr[static_cast<std::size_t>(r)] == 17);
+    for (std::int32_t i = indptr[static_cast<std::size_t>(r)]; i < indptr[static_cast<std::size_t>(r + 1)]; ++i) {
+      if (i > indptr[static_cast<std::size_t>(r)]) CHECK(idx[static_cast<std::size_t>(i)] > idx[static_cast<std::size_t>(i - 1)]);
+      CHECK(kp[static_cast<std::size_t>(i)] == pos[static_cast<std::size_t>(r * s.cap + idx[static_cast<std::size_t>(i)])]);
+    }
+  }
+  // compaction: the kept rows, in order, and exactly kept x H_kv x d x 2 x bytes
+  std::vector<float> kc(static_cast<std::size_t>(n * s.d));
+  REQUIRE(kv::cpu::compact_ragged<float>(st.in.keys, kv::const_selection_view(sel, s.batch * s.kv_heads), kc.data(),
+                                         static_cast<std::int64_t>(kc.size()))
+              .ok());
+  for (std::int64_t r = 0; r < s.batch * s.kv_heads; ++r)
+    for (std::int32_t i = indptr[static_cast<std::size_t>(r)]; i < indptr[static_cast<std::size_t>(r + 1)]; ++i)
+      for (std::int64_t d = 0; d < s.d; ++d)
+        CHECK(kc[static_cast<std::size_t>(i * s.d + d)] ==
+              static_cast<float>(p.K[p.kv_idx(r / s.kv_heads, r % s.kv_heads, idx[static_cast<std::size_t>(i)], d)]));
+  CHECK(2 * kc.size() * sizeof(float) == static_cast<std::size_t>(17 * s.kv_heads * s.batch * s.d * 2) * sizeof(float));
+  CHECK(static_cast<double>(n) / static_cast<double>(s.batch * s.kv_heads * s.cap) == doctest::Approx(17.0 / 50.0));
+}
