@@ -1,0 +1,74 @@
+// Stage drivers for the CPU benchmarks: run ONE stage of kvevict's CPU pipeline over a whole
+// layer exactly as evictor<Policy, cpu::backend>::run() drives it (same detail:: functions,
+// same OpenMP split over (sequence, KV head) tasks, same per-thread scratch), so that each
+// stage can be timed alone.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common/bench_data.hpp"
+#include "kvevict/cpu.hpp"
+
+namespace kvevict_bench {
+
+/// Scoring stage (scorer + temporal aggregation, before GQA reduction) of Policy for every
+/// (sequence, KV head) of a layer: G score rows of length L per KV head into `rows`
+/// (kv_heads * G * L floats). drift_topk > 0 also computes the adaptive-window drift (as the
+/// ReST-KV preset does with K = B - w). Memory: the per-thread head_scratch the evictor
+/// carves (3 L d + 3 * 32 L + ... floats per thread) plus the output rows.
+template <class Policy, class T>
+struct scorer_stage {
+  using Scorer = typename Policy::scorer;
+  using Temporal = typename Policy::temporal_smoother;
+  kvevict::cpu::backend be{};
+  int nt = 1;
+  std::int64_t drift_topk = 0;
+  aligned_buffer ws;
+  std::vector<kvevict::cpu::detail::head_scratch> scratch;
+  std::vector<float> rows;
+  std::vector<double> drift;
+
+  scorer_stage(const kvevict::layer_inputs<T>& in, std::int64_t drift_k) : drift_topk(drift_k) {
+    nt = kvevict::cpu::detail::max_threads(be);
+    const std::int64_t G = in.group_size();
+    kvevict::detail::workspace_carver counter;
+    kvevict::cpu::detail::head_scratch tmp;
+    for (int t = 0; t < nt; ++t) tmp.carve(counter, in.capacity(), in.window(), in.head_dim(), G);
+    ws = aligned_buffer(counter.bytes());
+    kvevict::detail::workspace_carver c(ws.data);
+    scratch.resize(static_cast<std::size_t>(nt));
+    for (int t = 0; t < nt; ++t) scratch[static_cast<std::size_t>(t)].carve(c, in.capacity(), in.window(), in.head_dim(), G);
+    rows.assign(static_cast<std::size_t>(in.batch() * in.q_heads() * in.capacity()), 0.0f);
+    drift.assign(static_cast<std::size_t>(in.batch() * in.q_heads()), 0.0);
+  }
+
+  /// Bytes of scratch + output this stage holds (what the evictor's workspace carves for it).
+  std::size_t held_bytes() const { return ws.bytes + rows.size() * sizeof(float) + drift.size() * sizeof(double); }
+
+  void run(const kvevict::layer_inputs<T>& in, const typename Policy::params& p) {
+    const std::int64_t Hkv = in.kv_heads(), G = in.group_size(), S = in.capacity();
+    kvevict::cpu::detail::parallel_for(be, in.batch() * Hkv, [&](std::int64_t task, int tid) {
+      const std::int64_t b = task / Hkv, h = task % Hkv;
+      const std::int64_t L = in.length(b, h);
+      kvevict::cpu::detail::head_job<Policy, T> job{&in, &p, b, h, L, std::min<std::int64_t>(in.window(), L), drift_topk};
+      kvevict::cpu::detail::score_kv_head<Scorer, Temporal>(job, scratch[static_cast<std::size_t>(tid)],
+                                                            rows.data() + task * G * S, drift.data() + task * G);
+    });
+  }
+};
+
+/// FLOPs of the output-reconstruction ("after", W_O factor) scorer for one layer, as the CPU
+/// backend computes them: per query head 2 w L d (Q K^T) + 2 w L (EMA-weighted column sum)
+/// + 2 L d^2 (Y = V R^T) + 2 L d (z) + 2 d^2 (R z) + 3 L d (||R z - Y_n||).
+inline double lor_flops(std::int64_t L, std::int64_t W = kWindow) {
+  const double l = static_cast<double>(L), w = static_cast<double>(W), d = static_cast<double>(kHeadDim);
+  return static_cast<double>(kQHeads) * (2 * w * l * d + 2 * w * l + 2 * l * d * d + 2 * l * d + 2 * d * d + 3 * l * d);
+}
+/// FLOPs of the window attention (Q K^T only; softmax exps not counted) for one layer.
+inline double window_attention_flops(std::int64_t L, std::int64_t W = kWindow) {
+  return static_cast<double>(kQHeads) * 2.0 * static_cast<double>(W) * static_cast<double>(L) * kHeadDim;
+}
+
+}  // namespace kvevict_bench

@@ -1,0 +1,104 @@
+// Whole-preset benchmarks: evictor<Preset, cpu::backend>::run() for one layer (batch 1,
+// q_heads 32, kv_heads 8, d = 128, w = 32), float and bf16 storage, budget B =
+// bench_budget(L) tokens per head (1024 for L >= 8k, L/4 below), published defaults
+// (check_finite on: the run scans Q, K, V once for NaN/inf, as a user's call would).
+//
+// Cost model (per call): bytes = every input read once (K, V where the scorer reads them, the
+// queries, the W_O factor) + the selection written; flops = the scorer's (cpu_stage.hpp):
+//   restkv   lor_flops(L) (+ drift, smoothing, selection: no flops counted)
+//   snapkv / adakv   window attention 2 * 32 w L d + 2 * 32 w L
+//   h2o      the whole prompt as window (W = L): 2 * 32 L^2 d + 2 * 32 L^2, i.e. what the
+//            blocked CPU scorer computes (each 32-row block computes all L logits, the causal
+//            upper triangle is masked after the product). O(L^2): measured at 1k and 4k only.
+// Counters: extra_bytes = workspace_size() + the heap bytes run() allocates itself (peak,
+// measured with the malloc counter of bench/common/alloc_counter.hpp around one run).
+#include <cstdint>
+#include <vector>
+
+#include "common/alloc_counter.hpp"
+#include "common/bench_data.hpp"
+#include "common/cpu_stage.hpp"
+#include "kvevict/cpu.hpp"
+
+namespace kb = kvevict_bench;
+using kvevict::bfloat16_t;
+
+namespace {
+
+template <class Preset, class T>
+void run_preset(benchmark::State& st, std::int64_t W, double flops) {
+  const std::int64_t L = st.range(0);
+  const auto& data = kb::get_layer<T>(L, W);
+  const auto in = data.inputs();
+  kvevict::evictor<Preset, kvevict::cpu::backend> ev;
+  const auto budget = kvevict::budget_request::tokens(static_cast<std::int32_t>(kb::bench_budget(L)));
+  const kvevict::status ok = ev.can_implement(in, budget);
+  if (!ok.ok()) {
+    st.SkipWithError(ok.message());
+    return;
+  }
+  const std::size_t ws_bytes = ev.workspace_size(in);
+  const std::int64_t cap = ev.max_selected(in, budget);
+  kb::aligned_buffer ws(ws_bytes);
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(in.batch() * ev.out_heads(in) + 1)), indices(static_cast<std::size_t>(cap));
+  kvevict::selection_view sel{indptr.data(), indices.data(), nullptr, cap};
+  // One untimed run under the heap counter.
+  kb::alloc_counter::reset();
+  kvevict::status s = ev.run(in, budget, sel, ws.data, ws.bytes);
+  const std::int64_t heap = kb::alloc_counter::peak_extra();
+  if (!s.ok()) {
+    st.SkipWithError(s.message());
+    return;
+  }
+  for (auto _ : st) {
+    s = ev.run(in, budget, sel, ws.data, ws.bytes);
+    benchmark::DoNotOptimize(indices.data());
+    benchmark::ClobberMemory();
+  }
+  if (!s.ok()) st.SkipWithError(s.message());
+  const double sz = sizeof(T), d = kb::kHeadDim;
+  double bytes = kb::D(kb::kKvHeads * L) * d * sz + kb::D(kb::kQHeads * W) * d * sz + static_cast<double>(cap) * 4.0;
+  if (Preset::scorer::needs_values) bytes += kb::D(kb::kKvHeads * L) * d * sz;
+  if (Preset::scorer::needs_wo_factor(ev.params().scorer)) bytes += kb::kQHeads * d * d * 4.0;
+  kb::set_cost(st, static_cast<double>(L), bytes, flops);
+  st.counters["workspace_bytes"] = static_cast<double>(ws_bytes);
+  st.counters["extra_bytes"] = static_cast<double>(ws_bytes + static_cast<std::size_t>(heap));
+  st.counters["kept"] = static_cast<double>(indptr.back());
+}
+
+double snap_flops(std::int64_t L, std::int64_t W) { return kb::window_attention_flops(L, W) + 2.0 * kb::D(kb::kQHeads * W * L); }
+
+template <class T>
+void BM_restkv(benchmark::State& st) {
+  run_preset<kvevict::presets::restkv, T>(st, kb::kWindow, kb::lor_flops(st.range(0)));
+}
+template <class T>
+void BM_snapkv(benchmark::State& st) {
+  run_preset<kvevict::presets::snapkv, T>(st, kb::kWindow, snap_flops(st.range(0), kb::kWindow));
+}
+template <class T>
+void BM_adakv(benchmark::State& st) {
+  run_preset<kvevict::presets::adakv, T>(st, kb::kWindow, snap_flops(st.range(0), kb::kWindow));
+}
+template <class T>
+void BM_h2o(benchmark::State& st) {
+  run_preset<kvevict::presets::h2o, T>(st, st.range(0), snap_flops(st.range(0), st.range(0)));
+}
+
+int iters_preset(std::int64_t L) { return L >= 32768 ? 3 : 0; }
+int iters_h2o(std::int64_t L) { return L >= 4096 ? 1 : 0; }
+
+struct registrar {
+  registrar() {
+    kb::register_seq("preset_restkv/f32", BM_restkv<float>, kb::kSeqLens, iters_preset);
+    kb::register_seq("preset_restkv/bf16", BM_restkv<bfloat16_t>, kb::kSeqLens, iters_preset);
+    kb::register_seq("preset_snapkv/f32", BM_snapkv<float>, kb::kSeqLens, iters_preset);
+    kb::register_seq("preset_snapkv/bf16", BM_snapkv<bfloat16_t>, kb::kSeqLens, iters_preset);
+    kb::register_seq("preset_adakv/f32", BM_adakv<float>, kb::kSeqLens, iters_preset);
+    kb::register_seq("preset_adakv/bf16", BM_adakv<bfloat16_t>, kb::kSeqLens, iters_preset);
+    kb::register_seq("preset_h2o/f32", BM_h2o<float>, {1024, 4096}, iters_h2o);
+    kb::register_seq("preset_h2o/bf16", BM_h2o<bfloat16_t>, {1024, 4096}, iters_h2o);
+  }
+} the_registrar;
+
+}  // namespace
