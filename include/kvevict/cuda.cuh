@@ -1,0 +1,15 @@
+// kvevict CUDA backend: evictor<Policy, cuda::backend>, device compaction, KVEVICT_CUDA_TRY.
+// Include from a .cu translation unit compiled by nvcc (C++17); link CUDA::cudart (the
+// kvevict::cuda CMake target does both the include paths and the link). See docs/cuda.md.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "kvevict/cuda.cuh must be compiled by nvcc (a .cu translation unit)"
+#endif
+
+#include "kvevict/kvevict.hpp"
+#include "kvevict/backends/cuda/backend.cuh"
+#include "kvevict/backends/cuda/compact.cuh"
+#include "kvevict/backends/cuda/evictor.cuh"
+#include "kvevict/backends/cuda/scorers.cuh"
+#include "kvevict/backends/cuda/select.cuh"

@@ -1,0 +1,48 @@
+// CPU reference runs for test_cuda (see cpu_reference.hpp).
+#include "cpu_reference.hpp"
+
+#include "kvevict/cpu.hpp"
+
+namespace kvevict_test {
+
+template <class P, class T>
+cpu_result cpu_run(const kvevict::layer_inputs<T>& in, const typename P::params& p, kvevict::budget_request budget) {
+  cpu_result r;
+  kvevict::evictor<P, kvevict::cpu::backend> ev(p);
+  const std::int64_t rows = in.batch() * ev.out_heads(in);
+  const std::int64_t cap = ev.max_selected(in, budget);
+  if (cap < 0) {
+    r.st = ev.can_implement(in, budget);
+    return r;
+  }
+  r.indptr.assign(static_cast<std::size_t>(rows + 1), 0);
+  r.indices.assign(static_cast<std::size_t>(cap > 0 ? cap : 1), -1);
+  r.positions.assign(static_cast<std::size_t>(cap > 0 ? cap : 1), -1);
+  r.scores.assign(static_cast<std::size_t>(rows * in.capacity() + 1), 0.0f);
+  kvevict::selection_view sel;
+  sel.indptr = r.indptr.data();
+  sel.indices = r.indices.data();
+  sel.positions = r.positions.data();
+  sel.capacity = cap;
+  r.st = ev.run(in, budget, sel, r.scores.data());
+  return r;
+}
+
+#define KVEVICT_TEST_INST(P)                                                                                             \
+  template cpu_result cpu_run<P, float>(const kvevict::layer_inputs<float>&, const P::params&, kvevict::budget_request); \
+  template cpu_result cpu_run<P, kvevict::half_t>(const kvevict::layer_inputs<kvevict::half_t>&, const P::params&,        \
+                                                  kvevict::budget_request);                                               \
+  template cpu_result cpu_run<P, kvevict::bfloat16_t>(const kvevict::layer_inputs<kvevict::bfloat16_t>&, const P::params&, \
+                                                      kvevict::budget_request);
+
+KVEVICT_TEST_INST(kvevict::presets::restkv)
+KVEVICT_TEST_INST(kvevict::presets::snapkv)
+KVEVICT_TEST_INST(kvevict::presets::pyramidkv)
+KVEVICT_TEST_INST(kvevict::presets::adakv)
+KVEVICT_TEST_INST(kvevict::presets::h2o)
+KVEVICT_TEST_INST(kvevict::presets::tova)
+KVEVICT_TEST_INST(kvevict::presets::streaming_llm)
+KVEVICT_TEST_INST(kvevict::presets::key_norm)
+KVEVICT_TEST_INST(maxpool_policy)
+
+}  // namespace kvevict_test

@@ -1,0 +1,27 @@
+// CPU reference runs for the CUDA backend test: the Eigen evictor (kvevict::cpu) compiled in
+// its own C++ translation unit (cpu_reference.cpp), called from test_cuda.cu on host copies of
+// the same inputs. Every (policy, storage type) pair used is explicitly instantiated there.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvevict/kvevict.hpp"
+
+namespace kvevict_test {
+
+/// Result of one CPU evictor run: CSR selection and the final scores (batch, out_heads, seq).
+struct cpu_result {
+  kvevict::status st;
+  std::vector<std::int32_t> indptr, indices, positions;
+  std::vector<float> scores;
+};
+
+/// Run evictor<P, cpu::backend> on host views.
+template <class P, class T>
+cpu_result cpu_run(const kvevict::layer_inputs<T>& in, const typename P::params& p, kvevict::budget_request budget);
+
+/// The policies the test instantiates (besides the presets).
+using maxpool_policy = kvevict::eviction_policy<kvevict::scorers::attention_weight, kvevict::temporal::mean, kvevict::spatial::max_pool>;
+
+}  // namespace kvevict_test
