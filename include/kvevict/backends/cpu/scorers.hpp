@@ -302,6 +302,9 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
                 const double log1m = log_zo - std::log1p(std::exp(log_zo));
                 const double a = 1.0 / (1.0 + std::exp(log_zo));
                 sc = a * std::exp((tau - 1.0) * log1m) * std::pow(dist, static_cast<double>(tau));
+                // Only the token itself is visible (e.g. row 0 when L == w): nothing to renormalise,
+                // no contribution (log(den) = -inf made sc NaN and zeroed the token's whole score).
+                if (!(den > 0.0)) sc = 0.0;
               }
               s.acc[am] += c * static_cast<float>(sc);
             }
