@@ -425,7 +425,9 @@ class evictor<Policy, cuda::backend> {
     a.scale = static_cast<double>(static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))));
     a.last_only = is_last ? 1 : 0;
     const std::size_t qsmem = static_cast<std::size_t>(32) * d * sizeof(float);
-    attn_stats_partial_kernel<T><<<dim3(bf.nsplit, nq), T256, qsmem, st>>>(a, bf.nsplit, bf.pm, bf.pz, bf.pa);
+    const std::int64_t zchunks = (W + 31) / 32;
+    const unsigned gz = static_cast<unsigned>(zchunks < 65535 ? (zchunks > 0 ? zchunks : 1) : 65535);
+    attn_stats_partial_kernel<T><<<dim3(bf.nsplit, nq, gz), T256, qsmem, st>>>(a, bf.nsplit, bf.pm, bf.pz, bf.pa);
     KVEVICT_CUDA_CHECK_LAUNCH();
     attn_stats_combine_kernel<T><<<grid_for(static_cast<std::int64_t>(nq) * W), T256, 0, st>>>(a, bf.nsplit, nq, bf.pm, bf.pz,
                                                                                                 bf.pa, bf.rm, bf.rz, bf.ra);

@@ -115,7 +115,8 @@ struct softmax_state {
   }
 };
 
-/// Split-key partial softmax statistics. grid (nsplit, B * Hq); dynamic smem 32 * d floats.
+/// Split-key partial softmax statistics. grid (nsplit, B * Hq, row chunks); blockIdx.z takes the
+/// 32-row chunks z, z + gridDim.z, ... of the window; dynamic smem 32 * d floats.
 /// Partials [qh][split][W] (effective row index j).
 template <class T>
 __global__ void attn_stats_partial_kernel(head_args<T> a, int nsplit, double* pm, double* pz, int* pa) {
@@ -129,7 +130,7 @@ __global__ void attn_stats_partial_kernel(head_args<T> a, int nsplit, double* pm
   const std::int64_t per = (hd.L + nsplit - 1) / nsplit;
   const std::int64_t n0 = split * per, n1 = (n0 + per < hd.L) ? n0 + per : hd.L;
   const T* kb = a.key_base(hd);
-  for (std::int64_t jc = hd.row0; jc < hd.w; jc += 32) {
+  for (std::int64_t jc = hd.row0 + 32 * static_cast<std::int64_t>(blockIdx.z); jc < hd.w; jc += 32 * static_cast<std::int64_t>(gridDim.z)) {
     const int nj = static_cast<int>((hd.w - jc) < 32 ? (hd.w - jc) : 32);
     __syncthreads();
     for (int i = threadIdx.x; i < nj * a.d; i += blockDim.x) smq[i] = a.qrow(qh, hd, jc)[i];
