@@ -320,6 +320,9 @@ int main(int argc, char** argv) {
         if (opt.fractions.empty()) return usage(argv[0], "--fractions is empty");
     }
 
+    // One thread for Eigen's own products: the matrices here are tiny, and OpenMP threads spinning on a
+    // shared 2-core machine cost more than they give (kvevict's evictor also runs with num_threads = 1).
+    Eigen::setNbThreads(1);
     const auto t0 = std::chrono::steady_clock::now();
     const std::string mdir = resolve_model_dir(opt.model_flag), ddir = resolve_data_dir(opt.data_flag);
     const std::string text_path = ddir + "/sherlock.txt";

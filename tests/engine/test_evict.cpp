@@ -1,0 +1,413 @@
+// Eviction inside the engine (examples/engine/evict.hpp) and the fidelity report's oracle and random
+// floor (examples/fidelity). Model-dependent tests print a skip message when the model folder is missing.
+#include <doctest/doctest.h>
+
+#include "../../examples/engine/evict.hpp"
+#include "../../examples/engine/model_path.hpp"
+#include "../../examples/engine/tokenizer.hpp"
+#include "../../examples/fidelity/oracle.hpp"
+#include "../../examples/fidelity/random_policy.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <set>
+
+using namespace kvevict_engine;
+
+namespace {
+
+struct fixture {
+    std::string dir = resolve_model_dir();
+    bool available = false;
+    std::string error;
+    model m;
+    tokenizer tok;
+    wo_factors wo;
+    fixture() {
+        if (!model_dir_exists(dir)) return;
+        if (auto r = load_model(model_file(dir), m); !r) { error = r.error; return; }
+        if (auto r = tok.load(tokenizer_file(dir), m.cfg.vocab_size); !r) { error = r.error; return; }
+        if (auto r = wo.compute(m); !r) { error = r.error; return; }
+        available = true;
+    }
+};
+const fixture& fx() {
+    static fixture f;
+    return f;
+}
+#define REQUIRE_MODEL_OR_SKIP()                                                                               \
+    if (!fx().available) {                                                                                    \
+        if (!fx().error.empty()) FAIL("model folder '" << fx().dir << "' present but failed: " << fx().error); \
+        MESSAGE("skipping: model folder '" << fx().dir << "' not found (set KVEVICT_MODEL_DIR)");             \
+        return;                                                                                               \
+    }
+
+/// Tokens of `chars` characters of sherlock.txt starting at `offset` (fallback text when missing).
+std::vector<int> text_tokens(size_t offset, size_t chars) {
+    std::ifstream f(resolve_model_dir() + "/../../data/text/sherlock.txt", std::ios::binary);
+    std::string text{std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+    if (text.size() < offset + chars) {
+        text.clear();
+        while (text.size() < offset + chars) text += "It was a dark and stormy night; the rain fell in torrents, except at occasional intervals. ";
+    }
+    return fx().tok.encode(text.substr(offset, chars));
+}
+
+float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+    float d = 0;
+    for (size_t i = 0; i < a.size(); ++i) d = std::max(d, std::abs(a[i] - b[i]));
+    return d;
+}
+
+layer_state state_for(kv_cache& cache, int layer, const query_log* log, kvevict::budget_request b) {
+    layer_state s;
+    s.m = &fx().m;
+    s.wo = &fx().wo;
+    s.cache = &cache;
+    s.layer = layer;
+    s.queries = log;
+    s.budget = b;
+    return s;
+}
+
+/// Greedy decode of `steps` tokens through a session, returning the tokens and the last logits.
+std::vector<int> run_request(eviction_session& s, const std::vector<int>& prompt, int steps, std::vector<float>& logits) {
+    std::vector<int> out;
+    REQUIRE_MESSAGE(s.prefill(prompt, logits), "prefill");
+    for (int i = 0; i < steps; ++i) {
+        const int t = argmax(logits);
+        out.push_back(t);
+        const result r = s.decode(t, logits);
+        REQUIRE_MESSAGE(r, r.error);
+    }
+    return out;
+}
+
+}  // namespace
+
+TEST_CASE("evict_layer: kept rows are original rows at their positions; window kept; next_position unchanged") {
+    REQUIRE_MODEL_OR_SKIP();
+    const config& c = fx().m.cfg;
+    const std::vector<int> prompt = text_tokens(0, 220);
+    const int n = int(prompt.size()), budget = 48, layer = 2;
+    REQUIRE(n > budget + 32);
+    kv_cache cache(c, n);
+    query_log log(c, 32);
+    forward_options fo;
+    fo.on_query = log.hook();
+    std::vector<float> logits;
+    REQUIRE(prefill(fx().m, cache, prompt, logits, fo));
+    const kv_cache before = cache;
+    std::int64_t kept = 0;
+    const result r = evict_layer<kvevict::presets::snapkv>(state_for(cache, layer, &log, kvevict::budget_request::tokens(budget)),
+                                                          kvevict::presets::snapkv::defaults(), 32, &kept);
+    REQUIRE_MESSAGE(r, r.error);
+    CAPTURE(n);
+    CHECK(kept == budget * c.n_kv_heads);
+    CHECK(cache.next_position == n);
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+        REQUIRE(cache.length(layer, h) == budget);
+        std::set<int> pos;
+        for (int s = 0; s < budget; ++s) {
+            const int p = cache.position(layer, h, s);
+            CHECK((s == 0 || p > cache.position(layer, h, s - 1)));
+            pos.insert(p);
+            // before eviction slot == position: the kept row must be that original row, bit for bit
+            CHECK(std::equal(cache.key(layer, h, s), cache.key(layer, h, s) + c.head_dim(), before.key(layer, h, p)));
+            CHECK(std::equal(cache.value(layer, h, s), cache.value(layer, h, s) + c.head_dim(), before.value(layer, h, p)));
+        }
+        for (int p = n - 32; p < n; ++p) CHECK(pos.count(p) == 1);  // the observation window is protected
+    }
+    for (int l = 0; l < c.n_layers; ++l)  // other layers untouched
+        if (l != layer)
+            for (int h = 0; h < c.n_kv_heads; ++h) CHECK(cache.length(l, h) == n);
+}
+
+TEST_CASE("evict_layer on every layer, then decoding, equals the full cache with the evicted slots masked") {
+    REQUIRE_MODEL_OR_SKIP();
+    const model& m = fx().m;
+    const config& c = m.cfg;
+    const std::vector<int> prompt = text_tokens(5000, 300);
+    const int n = int(prompt.size()), steps = 5;
+    kv_cache full(c, n + steps);
+    query_log log(c, 32);
+    forward_options fo;
+    fo.on_query = log.hook();
+    std::vector<float> logits;
+    REQUIRE(prefill(m, full, prompt, logits, fo));
+    kv_cache ev = full, plain = full;
+    for (int l = 0; l < c.n_layers; ++l) {
+        const result r = evict_layer<kvevict::presets::restkv>(state_for(ev, l, &log, kvevict::budget_request::fraction(0.3)),
+                                                              kvevict::presets::restkv::defaults());
+        REQUIRE_MESSAGE(r, r.error);
+    }
+    std::vector<std::vector<std::vector<char>>> kept(size_t(c.n_layers), std::vector<std::vector<char>>(size_t(c.n_kv_heads), std::vector<char>(size_t(n), 0)));
+    int evicted_total = 0;
+    for (int l = 0; l < c.n_layers; ++l)
+        for (int h = 0; h < c.n_kv_heads; ++h) {
+            for (int s = 0; s < ev.length(l, h); ++s) kept[size_t(l)][size_t(h)][size_t(ev.position(l, h, s))] = 1;
+            evicted_total += n - ev.length(l, h);
+        }
+    CHECK(evicted_total > 0);
+    forward_options masked;
+    masked.slot_visible = [&](int l, int h, int s) { return s >= n || kept[size_t(l)][size_t(h)][size_t(s)] != 0; };
+    std::vector<float> lf, le, lp;
+    int t = argmax(logits);
+    float worst = 0, effect = 0;
+    for (int i = 0; i < steps; ++i) {
+        REQUIRE(forward(m, full, t, lf, masked));
+        REQUIRE(forward(m, ev, t, le));
+        REQUIRE(forward(m, plain, t, lp));
+        worst = std::max(worst, max_abs_diff(lf, le));
+        effect = std::max(effect, max_abs_diff(lp, le));
+        t = argmax(le);
+    }
+    INFO("evicted slots " << evicted_total << ", eviction effect on logits " << effect);
+    CHECK(worst < 1e-4f);
+    CHECK(effect > 1e-3f);  // not vacuous
+}
+
+TEST_CASE("errors: bad budget and bad selection leave the cache unchanged") {
+    REQUIRE_MODEL_OR_SKIP();
+    const config& c = fx().m.cfg;
+    const std::vector<int> prompt = text_tokens(100, 150);
+    const int n = int(prompt.size());
+    kv_cache cache(c, n);
+    query_log log(c, 32);
+    forward_options fo;
+    fo.on_query = log.hook();
+    std::vector<float> logits;
+    REQUIRE(prefill(fx().m, cache, prompt, logits, fo));
+    const kv_cache before = cache;
+    // 10 tokens cannot hold the 32-token window ReST-KV protects
+    const result r = evict_layer<kvevict::presets::restkv>(state_for(cache, 0, &log, kvevict::budget_request::tokens(10)),
+                                                          kvevict::presets::restkv::defaults());
+    CHECK_FALSE(r.ok);
+    INFO(r.error);
+    CHECK(r.error.find("keep_tokens") != std::string::npos);
+    CHECK(cache.length(0, 0) == n);
+    // per-query-head selections cannot compact a KV-head cache in place
+    auto p = kvevict::presets::snapkv::defaults();
+    p.gqa = kvevict::gqa_reduction::per_query_head;
+    CHECK_FALSE(evict_layer<kvevict::presets::snapkv>(state_for(cache, 0, &log, kvevict::budget_request::tokens(40)), p).ok);
+    // a selection that is not ascending
+    std::vector<std::int32_t> indptr{0, 2, 4, 6, 8}, indices{3, 1, 0, 1, 0, 1, 0, 1};
+    const result r2 = apply_selection(cache, 1, indptr.data(), indices.data());
+    CHECK_FALSE(r2.ok);
+    CHECK(r2.error.find("ascending") != std::string::npos);
+    for (int h = 0; h < c.n_kv_heads; ++h) CHECK(cache.length(1, h) == n);
+    CHECK(std::equal(cache.keys(1), cache.keys(1) + c.n_kv_heads * cache.head_stride(), before.keys(1)));
+    // the oracle refuses to run without the look-ahead
+    const result r3 = kvevict_fidelity::oracle_method().evict(state_for(cache, 0, &log, kvevict::budget_request::tokens(40)));
+    CHECK_FALSE(r3.ok);
+}
+
+TEST_CASE("session: chunked prefill scores each chunk against the compressed cache and never exceeds budget + chunk") {
+    REQUIRE_MODEL_OR_SKIP();
+    const std::vector<int> prompt = text_tokens(20000, 400);
+    const int n = int(prompt.size()), budget = 48, chunk = 40;
+    session_options o;
+    o.prefill = prefill_mode::chunked;
+    o.chunk = chunk;
+    o.budget = kvevict::budget_request::tokens(budget);
+    // capacity budget + chunk: any larger peak would fail inside forward()
+    eviction_session s(fx().m, fx().wo, policy_method<kvevict::presets::restkv>("ReST-KV"), o, budget + chunk);
+    std::vector<float> logits;
+    const result r = s.prefill(prompt, logits);
+    REQUIRE_MESSAGE(r, r.error);
+    CAPTURE(n);
+    CHECK(s.evictions() == (n + chunk - 1) / chunk);
+    CHECK(s.max_length_seen() <= budget + chunk);
+    CHECK(s.max_length_seen() > budget);
+    const kv_cache& c = s.cache();
+    CHECK(c.next_position == n);
+    for (int l = 0; l < c.n_layers(); ++l)
+        for (int h = 0; h < c.n_kv_heads(); ++h) {
+            CHECK(c.length(l, h) == budget);
+            CHECK(c.position(l, h, budget - 1) == n - 1);  // the last chunk's window is kept
+            for (int i = 1; i < budget; ++i) CHECK(c.position(l, h, i) > c.position(l, h, i - 1));
+        }
+    // non-vacuous: tokens from early chunks survived (scored against later chunks)
+    int early = 0;
+    for (int i = 0; i < budget; ++i) early += c.position(2, 0, i) < n - chunk ? 1 : 0;
+    CHECK(early > 0);
+    // a too-small capacity is reported, not crashed on
+    eviction_session small(fx().m, fx().wo, policy_method<kvevict::presets::restkv>("ReST-KV"), o, budget + chunk - 1);
+    CHECK_FALSE(small.prefill(prompt, logits).ok);
+}
+
+TEST_CASE("session: decode-time cap keeps every head within budget + interval while generating") {
+    REQUIRE_MODEL_OR_SKIP();
+    const std::vector<int> prompt = text_tokens(30000, 200);
+    const int n = int(prompt.size()), budget = 40, interval = 16, steps = 50;
+    session_options o;
+    o.prefill = prefill_mode::none;
+    o.decode_interval = interval;
+    o.budget = kvevict::budget_request::tokens(budget);
+    eviction_session s(fx().m, fx().wo, policy_method<kvevict::presets::snapkv>("SnapKV", kvevict::presets::snapkv::defaults(), 16), o, n + 1);
+    std::vector<float> logits;
+    REQUIRE(s.prefill(prompt, logits));
+    CHECK(s.evictions() == 1);  // the cap applies from the first generated token
+    int peak = 0;
+    for (int i = 0; i < steps; ++i) {
+        REQUIRE(s.decode(argmax(logits), logits));
+        for (int l = 0; l < s.cache().n_layers(); ++l)
+            for (int h = 0; h < s.cache().n_kv_heads(); ++h) peak = std::max(peak, s.cache().length(l, h));
+    }
+    CHECK(peak <= budget + interval - 1);  // after decode() returns; inside it the peak is budget + interval
+    CHECK(s.evictions() == 1 + steps / interval);
+    CHECK(s.cache().next_position == n + steps);
+    // the decode-time cap needs a token budget
+    o.budget = kvevict::budget_request::fraction(0.5);
+    eviction_session bad(fx().m, fx().wo, policy_method<kvevict::presets::snapkv>("SnapKV"), o, n + 1);
+    CHECK_FALSE(bad.prefill(prompt, logits).ok);
+}
+
+TEST_CASE("session: multi-turn appends the next prompt to the compressed cache and compresses again") {
+    REQUIRE_MODEL_OR_SKIP();
+    const std::vector<int> turn1 = text_tokens(40000, 250);
+    std::vector<int> turn2 = text_tokens(41000, 150);
+    turn2.erase(turn2.begin());  // no BOS inside the conversation
+    const int n1 = int(turn1.size()), n2 = int(turn2.size()), budget = 64, gen = 5;
+    session_options o;
+    o.budget = kvevict::budget_request::tokens(budget);
+    eviction_session s(fx().m, fx().wo, policy_method<kvevict::presets::h2o>("H2O", kvevict::presets::h2o::defaults(), -1), o, std::max(n1, budget + gen + n2));
+    std::vector<float> logits;
+    REQUIRE(s.prefill(turn1, logits));
+    for (int i = 0; i < gen; ++i) REQUIRE(s.decode(argmax(logits), logits));
+    const result r = s.prefill(turn2, logits);
+    REQUIRE_MESSAGE(r, r.error);
+    CHECK(s.evictions() == 2);
+    const kv_cache& c = s.cache();
+    CHECK(c.next_position == n1 + gen + n2);
+    int from_turn1 = 0;
+    for (int l = 0; l < c.n_layers(); ++l)
+        for (int h = 0; h < c.n_kv_heads(); ++h) {
+            CHECK(c.length(l, h) == budget);
+            CHECK(c.position(l, h, budget - 1) == n1 + gen + n2 - 1);
+            for (int i = 0; i < budget; ++i) from_turn1 += c.position(l, h, i) < n1 ? 1 : 0;
+        }
+    CHECK(from_turn1 > 0);
+}
+
+TEST_CASE("session: same request, same output, whatever ran before (reset and fresh sessions)") {
+    REQUIRE_MODEL_OR_SKIP();
+    const std::vector<int> a = text_tokens(50000, 180), b = text_tokens(60000, 260);
+    session_options o;
+    o.prefill = prefill_mode::chunked;
+    o.chunk = 50;
+    o.decode_interval = 8;
+    o.budget = kvevict::budget_request::tokens(40);
+    for (const method& meth : {policy_method<kvevict::presets::restkv>("ReST-KV"), policy_method<kvevict::presets::adakv>("AdaKV"),
+                               kvevict_fidelity::random_method("Random")}) {
+        CAPTURE(meth.name);
+        eviction_session s(fx().m, fx().wo, meth, o, 120);
+        std::vector<float> la1, lb, la2, la3;
+        const std::vector<int> first = run_request(s, a, 20, la1);
+        s.reset();
+        CHECK(s.cache().next_position == 0);
+        CHECK(s.evictions() == 0);
+        const std::vector<int> other = run_request(s, b, 20, lb);
+        s.reset();
+        const std::vector<int> again = run_request(s, a, 20, la2);
+        eviction_session fresh(fx().m, fx().wo, meth, o, 120);
+        const std::vector<int> fresh_out = run_request(fresh, a, 20, la3);
+        CHECK(first == again);
+        CHECK(first == fresh_out);
+        CHECK(la1 == la2);
+        CHECK(la1 == la3);
+        CHECK(first != other);  // not vacuous: the requests differ
+    }
+}
+
+TEST_CASE("random floor: deterministic, keeps the window, differs across layers") {
+    REQUIRE_MODEL_OR_SKIP();
+    const config& c = fx().m.cfg;
+    const std::vector<int> prompt = text_tokens(70000, 220);
+    const int n = int(prompt.size()), budget = 50;
+    kv_cache cache(c, n);
+    query_log log(c, 32);
+    forward_options fo;
+    fo.on_query = log.hook();
+    std::vector<float> logits;
+    REQUIRE(prefill(fx().m, cache, prompt, logits, fo));
+    kv_cache x = cache, y = cache;
+    const method rm = kvevict_fidelity::random_method();
+    for (int l = 0; l < c.n_layers; ++l) {
+        REQUIRE(rm.evict(state_for(x, l, &log, kvevict::budget_request::tokens(budget))));
+        REQUIRE(rm.evict(state_for(y, l, &log, kvevict::budget_request::tokens(budget))));
+    }
+    bool layers_differ = false;
+    for (int l = 0; l < c.n_layers; ++l)
+        for (int h = 0; h < c.n_kv_heads; ++h)
+            for (int s = 0; s < budget; ++s) {
+                CHECK(x.position(l, h, s) == y.position(l, h, s));
+                layers_differ = layers_differ || x.position(l, h, s) != x.position(0, h, s);
+                if (s >= budget - 32) CHECK(x.position(l, h, s) == n - budget + s);
+            }
+    CHECK(layers_differ);
+}
+
+TEST_CASE("oracle: incremental greedy equals a naive greedy that recomputes the error from scratch") {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (int trial = 0; trial < 5; ++trial) {
+        const int L = 10 + 3 * trial, d = 4, G = 2, budget = 3 + trial;
+        CAPTURE(trial);
+        std::vector<float> K(size_t(L * d), 0.0f), V(size_t(L * d), 0.0f), q(size_t(G * d), 0.0f), kn(size_t(d), 0.0f), vn(size_t(d), 0.0f);
+        for (auto* v : {&K, &V, &q, &kn, &vn})
+            for (float& x : *v) x = 2.0f * nd(rng);
+        std::vector<std::int32_t> fast;
+        kvevict_fidelity::oracle_keep_head(K.data(), V.data(), L, d, q.data(), G, kn.data(), vn.data(), budget, fast);
+        // naive: error of a keep mask, recomputed in fp64 from the definition
+        auto out = [&](const std::vector<char>& keep, int g) {
+            std::vector<double> w;
+            std::vector<const float*> vs;
+            for (int n = 0; n <= L; ++n) {
+                if (n < L && !keep[size_t(n)]) continue;
+                const float* k = n < L ? &K[size_t(n * d)] : kn.data();
+                double s = 0;
+                for (int c = 0; c < d; ++c) s += double(q[size_t(g * d + c)]) * k[c];
+                w.push_back(s / std::sqrt(double(d)));
+                vs.push_back(n < L ? &V[size_t(n * d)] : vn.data());
+            }
+            const double mx = *std::max_element(w.begin(), w.end());
+            double sum = 0;
+            for (double& x : w) sum += (x = std::exp(x - mx));
+            std::vector<double> o(size_t(d), 0.0);
+            for (size_t i = 0; i < w.size(); ++i)
+                for (int c = 0; c < d; ++c) o[size_t(c)] += w[i] / sum * vs[i][c];
+            return o;
+        };
+        std::vector<char> all(size_t(L), 1), keep = all;
+        auto err = [&](const std::vector<char>& k) {
+            double e = 0;
+            for (int g = 0; g < G; ++g) {
+                const auto a = out(all, g), b = out(k, g);
+                for (int c = 0; c < d; ++c) e += (a[size_t(c)] - b[size_t(c)]) * (a[size_t(c)] - b[size_t(c)]);
+            }
+            return e;
+        };
+        for (int left = L; left > budget; --left) {
+            int best = -1;
+            double be = std::numeric_limits<double>::infinity();
+            for (int n = 0; n < L; ++n) {
+                if (!keep[size_t(n)]) continue;
+                keep[size_t(n)] = 0;
+                const double e = err(keep);
+                keep[size_t(n)] = 1;
+                if (e < be) { be = e; best = n; }
+            }
+            keep[size_t(best)] = 0;
+        }
+        std::vector<std::int32_t> naive;
+        for (int n = 0; n < L; ++n)
+            if (keep[size_t(n)]) naive.push_back(n);
+        CHECK(fast == naive);
+        CHECK(int(fast.size()) == budget);
+    }
+}
