@@ -1,0 +1,411 @@
+// CPU backend: layouts and strides, compaction, W_O factors, and bad input (clear error, outputs
+// untouched).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "reference/harness.hpp"
+
+using kvevict::bfloat16_t;
+using kvevict::half_t;
+using kvtest::layout;
+namespace kv = kvevict;
+
+namespace {
+/// Raw bits of a stored element (bit-exact comparisons for every storage type).
+template <class T>
+std::uint32_t bits_of(T x) {
+  std::uint32_t u = 0;
+  std::memcpy(&u, &x, sizeof(T));
+  return u;
+}
+}  // namespace
+
+// ---- layouts -------------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("layouts: NHD, HND, padded and element-strided views give identical selections", T, float, half_t,
+                   bfloat16_t) {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 2, s.cap = 56, s.d = 16, s.window = 8, s.hidden = 32;
+  const std::vector<std::int32_t> lens = {56, 50, 41, 56};
+  for (std::uint64_t seed = 0; seed < 2; ++seed) {
+    CAPTURE(seed);
+    kvtest::problem p = kvtest::make_problem(s, 3000 + seed, 1.0, 1.5, 1.0, lens);
+    kvtest::quantize<T>(p);
+    kvtest::lib_result base_r, base_s, base_k;
+    for (layout l : {layout::hnd, layout::nhd, layout::padded, layout::interleaved}) {
+      CAPTURE(kvtest::to_string(l));
+      kvtest::stored<T> st;
+      kvtest::store(p, l, st);
+      kv::evictor<kv::presets::restkv, kv::cpu::backend> ev;
+      kv::evictor<kv::presets::snapkv, kv::cpu::backend> ev2;
+      kv::evictor<kv::presets::key_norm, kv::cpu::backend> ev3;
+      auto r = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(20));
+      auto sn = kvtest::run_lib(ev2, st.in, kv::budget_request::tokens(20));
+      auto k = kvtest::run_lib(ev3, st.in, kv::budget_request::tokens(20));
+      REQUIRE_MESSAGE(r.st.ok(), r.st.message());
+      REQUIRE(sn.st.ok());
+      REQUIRE(k.st.ok());
+      CHECK(r.indptr.back() < 4 * 56);  // something evicted
+      if (l == layout::hnd) {
+        base_r = r, base_s = sn, base_k = k;
+        continue;
+      }
+      CHECK(r.indptr == base_r.indptr);
+      CHECK(r.indices == base_r.indices);
+      CHECK(sn.indices == base_s.indices);
+      CHECK(k.indices == base_k.indices);
+      for (std::size_t i = 0; i < r.scores.size(); ++i) {
+        CHECK(r.scores[i] == doctest::Approx(base_r.scores[i]).epsilon(1e-5));
+        CHECK(sn.scores[i] == doctest::Approx(base_s.scores[i]).epsilon(1e-5));
+      }
+    }
+  }
+}
+
+// ---- compaction ----------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("compaction: dense (NHD/HND), in place and ragged equal a naive gather; positions preserved", T, float,
+                   half_t, bfloat16_t) {
+  const std::int64_t B = 2, H = 3, S = 20, D = 5;
+  kvtest::rng r(7);
+  std::vector<T> src(static_cast<std::size_t>(B * H * S * D));
+  for (auto& x : src) x = kv::from_float<T>(static_cast<float>(r.normal()));
+  for (kv::kv_layout lay : {kv::kv_layout::hnd, kv::kv_layout::nhd}) {
+    CAPTURE(kv::to_string(lay));
+    // a random ascending selection per head, counts 0 .. S
+    std::vector<std::int32_t> indptr{0}, idx;
+    for (std::int64_t row = 0; row < B * H; ++row) {
+      for (std::int32_t i = 0; i < S; ++i)
+        if (r.uniform() < (row == 2 ? 0.0 : (row == 3 ? 1.0 : 0.4))) idx.push_back(i);
+      indptr.push_back(static_cast<std::int32_t>(idx.size()));
+    }
+    std::int64_t maxk = 0;
+    for (std::int64_t row = 0; row < B * H; ++row) maxk = std::max<std::int64_t>(maxk, indptr[static_cast<std::size_t>(row + 1)] - indptr[static_cast<std::size_t>(row)]);
+    const kv::const_selection_view sel(indptr.data(), idx.data(), B * H);
+    auto sv = kv::make_kv_view<const T>(src.data(), B, H, S, D, lay);
+    auto naive = [&](std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t c) {
+      const std::int32_t slot = idx[static_cast<std::size_t>(indptr[static_cast<std::size_t>(b * H + h)] + i)];
+      return bits_of(sv(b, h, slot, c));
+    };
+    // dense into the other layout, with a sentinel in unused slots
+    const kv::kv_layout other = lay == kv::kv_layout::hnd ? kv::kv_layout::nhd : kv::kv_layout::hnd;
+    std::vector<T> dst(static_cast<std::size_t>(B * H * maxk * D), kv::from_float<T>(-99.0f));
+    auto dv = kv::make_kv_view<T>(dst.data(), B, H, maxk, D, other);
+    REQUIRE(kv::cpu::compact<T>(sv, sel, dv).ok());
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t n = indptr[static_cast<std::size_t>(b * H + h + 1)] - indptr[static_cast<std::size_t>(b * H + h)];
+        for (std::int64_t i = 0; i < maxk; ++i)
+          for (std::int64_t c = 0; c < D; ++c) {
+            if (i < n) CHECK(bits_of(dv(b, h, i, c)) == naive(b, h, i, c));
+            else CHECK(kv::to_float(dv(b, h, i, c)) == -99.0f);
+          }
+      }
+    // in place
+    std::vector<T> inplace = src;
+    auto iv = kv::make_kv_view<T>(inplace.data(), B, H, S, D, lay);
+    REQUIRE(kv::cpu::compact<T>(iv, sel, iv).ok());
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t n = indptr[static_cast<std::size_t>(b * H + h + 1)] - indptr[static_cast<std::size_t>(b * H + h)];
+        for (std::int64_t i = 0; i < n; ++i)
+          for (std::int64_t c = 0; c < D; ++c) CHECK(bits_of(iv(b, h, i, c)) == naive(b, h, i, c));
+      }
+    // ragged
+    std::vector<T> rg(idx.size() * D);
+    REQUIRE(kv::cpu::compact_ragged<T>(sv, sel, rg.data(), static_cast<std::int64_t>(rg.size())).ok());
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int32_t i = indptr[static_cast<std::size_t>(b * H + h)]; i < indptr[static_cast<std::size_t>(b * H + h + 1)]; ++i)
+          for (std::int64_t c = 0; c < D; ++c)
+            CHECK(bits_of(rg[static_cast<std::size_t>(i * D + c)]) == naive(b, h, i - indptr[static_cast<std::size_t>(b * H + h)], c));
+    // errors leave dst untouched
+    std::vector<T> before = dst;
+    std::vector<std::int32_t> bad = idx;
+    if (bad.size() >= 2) {
+      std::swap(bad[0], bad[1]);
+      const kv::const_selection_view bsel(indptr.data(), bad.data(), B * H);
+      const auto e = kv::cpu::compact<T>(sv, bsel, dv);
+      CHECK(!e.ok());
+      CHECK(std::string(e.message()).find("ascending") != std::string::npos);
+    }
+    auto small = kv::make_kv_view<T>(dst.data(), B, H, maxk - 1, D, other);
+    const auto e2 = kv::cpu::compact<T>(sv, sel, small);
+    CHECK(e2.code() == kv::errc::insufficient_capacity);
+    const auto e3 = kv::cpu::compact_ragged<T>(sv, sel, rg.data(), static_cast<std::int64_t>(rg.size()) - 1);
+    CHECK(e3.code() == kv::errc::insufficient_capacity);
+    CHECK(std::memcmp(before.data(), dst.data(), dst.size() * sizeof(T)) == 0);
+  }
+}
+
+TEST_CASE("compaction of a per-query-head selection expands to q_heads heads; evictor positions follow the slots") {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 3, s.cap = 30, s.d = 8, s.window = 4, s.hidden = 16;
+  kvtest::problem p = kvtest::make_problem(s, 3100);
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::nhd, st);
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(s.cap));
+  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int32_t>(7 * i + 3);
+  st.in.positions = kv::make_positions_view(pos.data(), s.batch, s.kv_heads, s.cap, true);
+  auto params = kv::presets::restkv::defaults();
+  params.gqa = kv::gqa_reduction::per_query_head;
+  kv::evictor<kv::presets::restkv, kv::cpu::backend> ev(params);
+  auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(10));
+  REQUIRE(lib.st.ok());
+  REQUIRE(lib.rows == s.q_heads());
+  std::vector<float> dst(static_cast<std::size_t>(s.q_heads() * 10 * s.d));
+  auto dv = kv::make_kv_view<float>(dst.data(), 1, s.q_heads(), 10, s.d, kv::kv_layout::hnd);
+  REQUIRE(kv::cpu::compact<float>(st.in.keys, kv::const_selection_view(lib.indptr.data(), lib.indices.data(), lib.rows), dv).ok());
+  for (std::int64_t hq = 0; hq < s.q_heads(); ++hq) {
+    const auto kept = lib.kept(hq);
+    for (std::size_t i = 0; i < kept.size(); ++i) {
+      CHECK(lib.positions[static_cast<std::size_t>(lib.indptr[static_cast<std::size_t>(hq)]) + i] == pos[static_cast<std::size_t>(kept[i])]);
+      for (std::int64_t c = 0; c < s.d; ++c)
+        CHECK(dv(0, hq, static_cast<std::int64_t>(i), c) == static_cast<float>(p.K[p.kv_idx(0, hq / s.group, kept[i], c)]));
+    }
+  }
+}
+
+// ---- W_O factors ---------------------------------------------------------------------------
+
+TEST_CASE("W_O factor: ||R x|| equals the hidden-size projection norm (full rank and rank deficient)") {
+  kvtest::rng r(8);
+  for (std::int64_t C : {4, 16, 64}) {
+    const std::int64_t Hq = 3, d = 8;
+    CAPTURE(C);
+    std::vector<float> wo(static_cast<std::size_t>(C * Hq * d));
+    for (auto& x : wo) x = static_cast<float>(r.normal());
+    std::vector<float> R(static_cast<std::size_t>(Hq * d * d), -1.0f);
+    kv::strided_view<const float, 2> wv{wo.data(), {C, Hq * d}, {Hq * d, 1}};
+    REQUIRE(kv::cpu::compute_wo_factors(wv, Hq, d, R.data()).ok());
+    for (std::int64_t h = 0; h < Hq; ++h)
+      for (int t = 0; t < 10; ++t) {
+        std::vector<double> x(static_cast<std::size_t>(d));
+        for (auto& v : x) v = r.normal();
+        kvref::mat W(C, d);
+        for (std::int64_t c = 0; c < C; ++c)
+          for (std::int64_t i = 0; i < d; ++i) W(c, i) = wo[static_cast<std::size_t>(c * Hq * d + h * d + i)];
+        const double want = kvref::proj_norm(x.data(), d, &W);
+        double rx = 0.0;
+        for (std::int64_t i = 0; i < d; ++i) {
+          double acc = 0.0;
+          for (std::int64_t j = 0; j < d; ++j) acc += R[static_cast<std::size_t>(h * d * d + i * d + j)] * x[static_cast<std::size_t>(j)];
+          rx += acc * acc;
+        }
+        CHECK(std::sqrt(rx) == doctest::Approx(want).epsilon(1e-5));
+      }
+  }
+  std::vector<float> wo(4 * 8, 1.0f), R(64);
+  kv::strided_view<const float, 2> wv{wo.data(), {4, 8}, {8, 1}};
+  CHECK(kv::cpu::compute_wo_factors(wv, 2, 8, R.data()).code() == kv::errc::shape_mismatch);
+  CHECK(kv::cpu::compute_wo_factors(wv, 1, 8, nullptr).code() == kv::errc::null_pointer);
+  wo[5] = std::numeric_limits<float>::quiet_NaN();
+  CHECK(kv::cpu::compute_wo_factors(wv, 1, 8, R.data()).code() == kv::errc::non_finite_input);
+}
+
+// ---- bad input -----------------------------------------------------------------------------
+
+namespace {
+
+/// Run with sentinel-filled outputs; expect the error code and a message containing `needle`;
+/// check every output is untouched. cap_delta / ws_delta shrink the selection capacity and the
+/// workspace below what the evictor asked for.
+template <class Policy, class T>
+void expect_error(const kv::evictor<Policy, kv::cpu::backend>& ev, const kv::layer_inputs<T>& in, kv::budget_request budget,
+                  kv::errc code, const char* needle, std::int64_t cap_delta = 0, std::int64_t ws_delta = 0,
+                  bool null_indptr = false, std::int64_t rows_hint = 64, std::int64_t cap_hint = 4096) {
+  const std::string want = needle;
+  CAPTURE(want);
+  const std::int32_t sentinel = -12345;
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(rows_hint + 1), sentinel), idx(static_cast<std::size_t>(cap_hint), sentinel),
+      pos(idx.size(), sentinel);
+  std::vector<float> scores(static_cast<std::size_t>(rows_hint * 256), -123.0f);
+  std::int64_t cap = cap_hint;
+  if (cap_delta != 0) cap = ev.max_selected(in, budget) - cap_delta;
+  kv::selection_view sel{null_indptr ? nullptr : indptr.data(), idx.data(), pos.data(), cap};
+  std::size_t ws = 1 << 22;
+  if (ws_delta != 0) ws = ev.workspace_size(in) - static_cast<std::size_t>(ws_delta);
+  std::vector<unsigned char> w(std::max<std::size_t>(ws, 1) + 256);
+  void* base = w.data() + (256 - reinterpret_cast<std::uintptr_t>(w.data()) % 256) % 256;
+  if (ws_delta == 0) ws = std::max(ws, ev.workspace_size(in));
+  if (ws_delta == 0) w.resize(ws + 256), base = w.data() + (256 - reinterpret_cast<std::uintptr_t>(w.data()) % 256) % 256;
+  const kv::status s = ev.run(in, budget, sel, base, ws, scores.data());
+  CHECK(!s.ok());
+  CHECK(s.code() == code);
+  const std::string msg = s.message();
+  CAPTURE(msg);
+  CHECK(msg.find(needle) != std::string::npos);
+  CHECK(msg.find(kv::to_string(code)) == 0);
+  for (auto v : indptr) CHECK(v == sentinel);
+  for (auto v : idx) CHECK(v == sentinel);
+  for (auto v : pos) CHECK(v == sentinel);
+  for (auto v : scores) CHECK(v == -123.0f);
+  // can_implement covers shapes and parameters (the NaN scan of the data is run()'s)
+  if (cap_delta == 0 && ws_delta == 0 && !null_indptr && code != kv::errc::non_finite_input) {
+    CHECK(!ev.can_implement(in, budget).ok());
+    CHECK(ev.max_selected(in, budget) == -1);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("bad input returns a clear error naming the parameter and leaves the outputs untouched", T, float,
+                   half_t, bfloat16_t) {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 2, s.cap = 24, s.d = 8, s.window = 8, s.hidden = 16;
+  kvtest::problem p = kvtest::make_problem(s, 3200);
+  kvtest::quantize<T>(p);
+  kvtest::stored<T> st;
+  kvtest::store(p, layout::nhd, st);
+  using R = kv::presets::restkv;
+  kv::evictor<R, kv::cpu::backend> ev;
+  const auto b12 = kv::budget_request::tokens(12);
+  {  // sanity: the unmodified inputs work
+    auto ok = kvtest::run_lib(ev, st.in, b12);
+    REQUIRE_MESSAGE(ok.st.ok(), ok.st.message());
+  }
+  SUBCASE("shape mismatch") {
+    auto in = st.in;
+    in.values.extent[2] = s.cap - 1;
+    expect_error(ev, in, b12, kv::errc::shape_mismatch, "values");
+    in = st.in;
+    in.queries.extent[3] = s.d - 1;
+    expect_error(ev, in, b12, kv::errc::shape_mismatch, "head_dim");
+    in = st.in;
+    in.wo_factor.extent[0] = 3;
+    expect_error(ev, in, b12, kv::errc::shape_mismatch, "wo_factor");
+    in = st.in;
+    std::vector<std::int32_t> lens = {24, 24, 24};
+    in.lengths = kv::per_head_lengths(lens.data(), 1, 3);
+    expect_error(ev, in, b12, kv::errc::shape_mismatch, "lengths");
+  }
+  SUBCASE("q_heads not a multiple of kv_heads") {
+    auto in = st.in;
+    in.queries.extent[1] = 3;
+    expect_error(ev, in, b12, kv::errc::invalid_argument, "q_heads");
+  }
+  SUBCASE("window > seq_len") {
+    auto in = st.in;
+    in.keys.extent[2] = 6;
+    in.values.extent[2] = 6;
+    expect_error(ev, in, kv::budget_request::tokens(8), kv::errc::invalid_argument, "window");
+  }
+  SUBCASE("budget < window, and malformed budgets") {
+    expect_error(ev, st.in, kv::budget_request::tokens(7), kv::errc::invalid_argument, "budget.keep_tokens");
+    expect_error(ev, st.in, kv::budget_request::tokens(0), kv::errc::invalid_argument, "budget");
+    expect_error(ev, st.in, kv::budget_request::fraction(1.5), kv::errc::invalid_argument, "keep_fraction");
+    kv::budget_request both;
+    both.keep_tokens = 10;
+    both.keep_fraction = 0.5;
+    expect_error(ev, st.in, both, kv::errc::invalid_argument, "exactly one");
+  }
+  SUBCASE("alpha outside (0, 1]") {
+    for (float a : {0.0f, -0.5f, 1.0001f, std::numeric_limits<float>::quiet_NaN()}) {
+      auto prm = R::defaults();
+      prm.temporal.alpha = a;
+      kv::evictor<R, kv::cpu::backend> bad(prm);
+      expect_error(bad, st.in, b12, kv::errc::invalid_argument, "alpha");
+    }
+  }
+  SUBCASE("even kernel width, bad k_min / beta / tau / gqa") {
+    auto prm = R::defaults();
+    prm.spatial.k_min = 6;
+    expect_error(kv::evictor<R, kv::cpu::backend>(prm), st.in, b12, kv::errc::invalid_argument, "k_min");
+    prm = R::defaults();
+    prm.spatial.beta = 0.0f;
+    expect_error(kv::evictor<R, kv::cpu::backend>(prm), st.in, b12, kv::errc::invalid_argument, "beta");
+    prm = R::defaults();
+    prm.scorer.tau = -1.0f;
+    expect_error(kv::evictor<R, kv::cpu::backend>(prm), st.in, b12, kv::errc::invalid_argument, "tau");
+    prm = R::defaults();
+    prm.gqa = static_cast<kv::gqa_reduction>(9);
+    expect_error(kv::evictor<R, kv::cpu::backend>(prm), st.in, b12, kv::errc::invalid_argument, "gqa");
+    auto sp = kv::presets::snapkv::defaults();
+    sp.spatial.kernel = 4;
+    expect_error(kv::evictor<kv::presets::snapkv, kv::cpu::backend>(sp), st.in, b12, kv::errc::invalid_argument, "kernel");
+  }
+  SUBCASE("null pointers") {
+    auto in = st.in;
+    in.keys.data = nullptr;
+    expect_error(ev, in, b12, kv::errc::null_pointer, "keys");
+    in = st.in;
+    in.values.data = nullptr;
+    expect_error(ev, in, b12, kv::errc::null_pointer, "values");
+    in = st.in;
+    in.queries.data = nullptr;
+    expect_error(ev, in, b12, kv::errc::null_pointer, "queries");
+    in = st.in;
+    in.wo_factor.data = nullptr;
+    expect_error(ev, in, b12, kv::errc::null_pointer, "wo_factor");
+    expect_error(ev, st.in, b12, kv::errc::null_pointer, "indptr", 0, 0, true);
+  }
+  SUBCASE("NaN / inf in K, V, Q and W_O factor") {
+    const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                         -std::numeric_limits<float>::infinity()};
+    for (float v : bad) {
+      CAPTURE(v);
+      kvtest::stored<T> s2;
+      kvtest::problem q = p;
+      q.K[q.kv_idx(0, 1, 5, 3)] = static_cast<double>(v);
+      kvtest::store(q, layout::nhd, s2);
+      expect_error(ev, s2.in, b12, kv::errc::non_finite_input, "keys");
+      q = p;
+      q.V[q.kv_idx(0, 0, 23, 0)] = static_cast<double>(v);
+      kvtest::store(q, layout::nhd, s2);
+      expect_error(ev, s2.in, b12, kv::errc::non_finite_input, "values");
+      q = p;
+      q.Q[q.q_idx(0, 3, 7, 7)] = static_cast<double>(v);
+      kvtest::store(q, layout::nhd, s2);
+      expect_error(ev, s2.in, b12, kv::errc::non_finite_input, "queries");
+      kvtest::store(p, layout::nhd, s2);
+      s2.R[5] = v;
+      expect_error(ev, s2.in, b12, kv::errc::non_finite_input, "wo_factor");
+    }
+    // a value that overflows the storage type on the way in (fp16: 1e6 -> inf)
+    if (std::is_same<T, half_t>::value) {
+      kvtest::stored<T> s2;
+      kvtest::problem q = p;
+      q.K[q.kv_idx(0, 0, 0, 0)] = 1e6;
+      kvtest::store(q, layout::nhd, s2);
+      expect_error(ev, s2.in, b12, kv::errc::non_finite_input, "keys");
+    }
+  }
+  SUBCASE("insufficient workspace and capacity; bad lengths, layer index, strides, per-query-head without queries") {
+    expect_error(ev, st.in, b12, kv::errc::insufficient_workspace, "workspace", 0, 1);
+    expect_error(ev, st.in, b12, kv::errc::insufficient_capacity, "capacity", 1, 0);
+    auto in = st.in;
+    std::vector<std::int32_t> lens = {24, 25};
+    in.lengths = kv::per_head_lengths(lens.data(), 1, 2);
+    expect_error(ev, in, b12, kv::errc::invalid_argument, "lengths");
+    in = st.in;
+    in.layer_idx = 1;
+    expect_error(ev, in, b12, kv::errc::invalid_argument, "layer_idx");
+    in = st.in;
+    in.keys.stride[2] = -1;
+    expect_error(ev, in, b12, kv::errc::invalid_argument, "stride");
+    auto kp = kv::presets::key_norm::defaults();
+    kp.gqa = kv::gqa_reduction::per_query_head;
+    in = st.in;
+    in.queries.data = nullptr;
+    expect_error(kv::evictor<kv::presets::key_norm, kv::cpu::backend>(kp), in, b12, kv::errc::invalid_argument, "per_query_head");
+  }
+}
+
+TEST_CASE("NaN/inf outside the valid region (padding) is never read; check_finite = false skips the scan") {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 1, s.group = 1, s.cap = 20, s.d = 8, s.window = 4, s.hidden = 8;
+  kvtest::problem p = kvtest::make_problem(s, 3300, 1.0, 1.0, 1.0, {20, 9});  // slots 9.. of seq 1 are NaN
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::padded, st);  // padding NaN too
+  kv::evictor<kv::presets::restkv, kv::cpu::backend> ev;
+  auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(6));
+  REQUIRE_MESSAGE(lib.st.ok(), lib.st.message());
+  for (float x : lib.scores) CHECK(std::isfinite(x));
+  CHECK(lib.kept(1).size() == 6);
+  CHECK(lib.kept(1).back() == 8);
+}
