@@ -39,6 +39,25 @@ inline status scan_finite(const V& v, const char* name, F rows_valid) {
   return {};
 }
 
+/// Detects a budgeter that allocates a whole layer at once (budgeters::headwise_learned):
+///   static status layer_budgets(const params&, const budget_request&, const head_plan* plans,
+///                               int64 rows, int64 kv_heads, int layer, int num_layers, int64* budgets);
+template <class Bu, class = void>
+struct has_layer_budgets : std::false_type {};
+template <class Bu>
+struct has_layer_budgets<Bu, std::void_t<decltype(Bu::layer_budgets(
+                                 std::declval<const typename Bu::params&>(), std::declval<const budget_request&>(),
+                                 std::declval<const kvevict::detail::head_plan*>(), std::int64_t{}, std::int64_t{}, int{},
+                                 int{}, std::declval<std::int64_t*>()))>> : std::true_type {};
+
+/// Detects a scorer that checks its tables against a layer's shape:
+///   static status check_layer(const params&, int64 kv_heads, int64 head_dim, int layer_idx, int num_layers);
+template <class S, class = void>
+struct has_check_layer : std::false_type {};
+template <class S>
+struct has_check_layer<S, std::void_t<decltype(S::check_layer(std::declval<const typename S::params&>(), std::int64_t{},
+                                                               std::int64_t{}, int{}, int{}))>> : std::true_type {};
+
 }  // namespace detail
 }  // namespace cpu
 
@@ -84,6 +103,17 @@ class evictor<Policy, cpu::backend> {
                                  static_cast<long long>(in.capacity()));
         }
     }
+    if constexpr (cpu::detail::has_check_layer<Scorer>::value)
+      KVEVICT_TRY(Scorer::check_layer(p_.scorer, in.kv_heads(), in.head_dim(), in.layer_idx, in.num_layers));
+    if constexpr (cpu::detail::has_layer_budgets<Budgeter>::value) {
+      const std::int64_t H = out_heads(in), G = H / in.kv_heads();
+      std::vector<kvevict::detail::head_plan> pl(static_cast<std::size_t>(H));
+      std::vector<std::int64_t> bu(static_cast<std::size_t>(H));
+      for (std::int64_t b = 0; b < in.batch(); ++b) {
+        for (std::int64_t h = 0; h < H; ++h) pl[static_cast<std::size_t>(h)] = plan(in, budget, b, h / G);
+        KVEVICT_TRY(Budgeter::layer_budgets(p_.budgeter, budget, pl.data(), H, in.kv_heads(), in.layer_idx, in.num_layers, bu.data()));
+      }
+    }
     if (p_.gqa == gqa_reduction::layer_mean) {
       for (std::int64_t b = 0; b < in.batch(); ++b)
         for (std::int64_t h = 1; h < in.kv_heads(); ++h)
@@ -101,7 +131,9 @@ class evictor<Policy, cpu::backend> {
   std::size_t workspace_size(const layer_inputs<T>& in) const {
     kvevict::detail::workspace_carver c;
     carve_all(c, in);
-    return c.bytes();
+    // + alignment: run() aligns the caller's pointer itself, so any address works (and gives
+    // the same results: Eigen's vectorised loops peel by address).
+    return c.bytes() + kvevict::detail::workspace_carver::alignment;
   }
 
   /// Exact number of kept tokens (the size selection.indices must have). Requires
@@ -111,11 +143,23 @@ class evictor<Policy, cpu::backend> {
     if (!can_implement(in, budget).ok()) return -1;
     std::int64_t total = 0;
     const std::int64_t H = out_heads(in), G = H / in.kv_heads();
+    if constexpr (cpu::detail::has_layer_budgets<Budgeter>::value) {
+      std::vector<kvevict::detail::head_plan> pl(static_cast<std::size_t>(H));
+      std::vector<std::int64_t> bu(static_cast<std::size_t>(H));
+      for (std::int64_t b = 0; b < in.batch(); ++b) {
+        for (std::int64_t h = 0; h < H; ++h) pl[static_cast<std::size_t>(h)] = plan(in, budget, b, h / G);
+        if (!Budgeter::layer_budgets(p_.budgeter, budget, pl.data(), H, in.kv_heads(), in.layer_idx, in.num_layers, bu.data()).ok())
+          return -1;
+        for (std::int64_t h = 0; h < H; ++h) total += std::min(bu[static_cast<std::size_t>(h)], pl[static_cast<std::size_t>(h)].length);
+      }
+      return total;
+    }
     for (std::int64_t b = 0; b < in.batch(); ++b)
       for (std::int64_t h = 0; h < H; ++h) {
         const auto pl = plan(in, budget, b, h / G);
         if constexpr (Budgeter::needs_scores) total += pl.pass_through ? pl.length : pl.base_budget;
-        else total += Budgeter::head_budget(p_.budgeter, pl, in.layer_idx, in.num_layers);
+        else if constexpr (!cpu::detail::has_layer_budgets<Budgeter>::value)
+          total += Budgeter::head_budget(p_.budgeter, pl, in.layer_idx, in.num_layers);
       }
     return total;
   }
@@ -140,7 +184,8 @@ class evictor<Policy, cpu::backend> {
     const std::int64_t Gq = in.queries.data ? in.group_size() : 1;  // query heads per KV head
     const std::int64_t Gout = H / Hkv;                               // out rows per KV head
     const std::int64_t rows = B * H;
-    kvevict::detail::workspace_carver c(workspace);
+    const std::uintptr_t wsa = reinterpret_cast<std::uintptr_t>(workspace), wal = kvevict::detail::workspace_carver::alignment;
+    kvevict::detail::workspace_carver c(reinterpret_cast<void*>((wsa + wal - 1) / wal * wal));
     buffers buf = carve_all(c, in);
 
     // 1. plans and score-free budgets
@@ -149,7 +194,9 @@ class evictor<Policy, cpu::backend> {
       for (std::int64_t h = 0; h < H; ++h) {
         const std::int64_t r = b * H + h;
         buf.plans[r] = plan(in, budget, b, h / Gout);
-        if constexpr (!Budgeter::needs_scores) {
+        if constexpr (cpu::detail::has_layer_budgets<Budgeter>::value) {
+          buf.need[r] = 0;  // set below, once the sequence's plans are known
+        } else if constexpr (!Budgeter::needs_scores) {
           buf.budgets[r] = Budgeter::head_budget(p_.budgeter, buf.plans[r], in.layer_idx, in.num_layers);
           buf.need[r] = Scorer::has_scores && buf.budgets[r] < buf.plans[r].length ? 1 : 0;
         } else {
@@ -157,6 +204,17 @@ class evictor<Policy, cpu::backend> {
         }
         any_scoring = any_scoring || buf.need[r];
       }
+    if constexpr (cpu::detail::has_layer_budgets<Budgeter>::value) {  // whole-layer allocation
+      for (std::int64_t b = 0; b < B; ++b) {
+        KVEVICT_TRY(Budgeter::layer_budgets(p_.budgeter, budget, buf.plans + b * H, H, Hkv, in.layer_idx, in.num_layers,
+                                            buf.budgets + b * H));
+        for (std::int64_t h = 0; h < H; ++h) {
+          const std::int64_t r = b * H + h;
+          buf.need[r] = Scorer::has_scores && buf.budgets[r] < buf.plans[r].length ? 1 : 0;
+          any_scoring = any_scoring || buf.need[r];
+        }
+      }
+    }
     if (p_.gqa == gqa_reduction::layer_mean) {  // one decision per sequence
       for (std::int64_t b = 0; b < B; ++b) {
         std::uint8_t any = 0;

@@ -28,6 +28,7 @@ struct head_inputs {
   std::int64_t head_dim = 0;   ///< d
   std::int64_t group_size = 0; ///< G
   std::int64_t window = 0;     ///< w rows per query head (0 if no queries)
+  std::int32_t layer_idx = 0;  ///< layer_inputs::layer_idx (for per-layer learned scorers)
   const float* keys = nullptr;     ///< L x d
   const float* values = nullptr;   ///< L x d (null if the layer has no values)
   const float* queries = nullptr;  ///< G x w x d
@@ -123,6 +124,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
     hi.head_dim = d;
     hi.group_size = G;
     hi.window = in.queries.data ? job.w : 0;
+    hi.layer_idx = in.layer_idx;
     // hooks get contiguous copies
     if (K.data() != s.kbuf) {
       for (std::int64_t r = 0; r < L; ++r)
