@@ -87,7 +87,9 @@ struct adaptive_window {
     if (kk < p.k_min) kk = p.k_min;
     std::int64_t ss;
     if (p.reference_exact) {
-      const double f = std::floor(q);
+      double f = std::floor(q);
+      if (f > 1e15) f = 1e15;  // a tiny beta: t / beta beyond int64 (the shift is clamped below anyway)
+      if (f < -1e15) f = -1e15;
       ss = static_cast<std::int64_t>(t > 0.0 ? f : f + 1.0);
     } else {
       ss = static_cast<std::int64_t>(q < 0 ? -m : m);

@@ -36,9 +36,13 @@ using vec_map = Eigen::Map<Eigen::VectorXf>;
 using cvec_map = Eigen::Map<const Eigen::VectorXf>;
 using row_map = Eigen::Map<Eigen::RowVectorXf>;
 
+/// Threads a run may use: the evictor's workspace holds per-thread scratch for at most this many.
+inline constexpr int max_scratch_threads = 256;
+
 inline int max_threads(const backend& be) {
 #if defined(_OPENMP)
-  return be.num_threads > 0 ? be.num_threads : omp_get_max_threads();
+  const int n = be.num_threads > 0 ? be.num_threads : omp_get_max_threads();
+  return n < max_scratch_threads ? n : max_scratch_threads;  // more would index past the scratch
 #else
   (void)be;
   return 1;
