@@ -54,14 +54,14 @@ struct options {
     std::string model_flag, data_flag, out_dir = ".", only;
     int prompts = 6, prompt_tokens = 448, steps = 64;
     std::vector<double> fractions{0.1, 0.2, 0.3, 0.5};
-    bool smoke = false;
+    bool smoke = false, ablations = false;
 };
 
 int usage(const char* argv0, const std::string& why) {
     if (!why.empty()) std::fprintf(stderr, "error: %s\n", why.c_str());
     std::fprintf(stderr,
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
-                 "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..]\n"
+                 "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..] [--ablations]\n"
                  "  --smoke            1 prompt, fractions 0.2,0.5, 8 steps; checks the table (exit 1 if incomplete\n"
                  "                     or not finite; exit 0 with a message if the model/text folder is missing)\n"
                  "  --model DIR        model folder (default $KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K)\n"
@@ -71,7 +71,8 @@ int usage(const char* argv0, const std::string& why) {
                  "  --prompt-tokens N  tokens per excerpt, BOS included (default 448)\n"
                  "  --steps N          continuation tokens (default 64)\n"
                  "  --fractions LIST   keep fractions in (0, 1] (default 0.1,0.2,0.3,0.5)\n"
-                 "  --methods LIST     only these rows (names as printed)\n",
+                 "  --methods LIST     only these rows (names as printed)\n"
+                 "  --ablations        add ReST-KV ablation rows (diagnostics; one change each from the defaults)\n",
                  argv0);
     return 2;
 }
@@ -289,6 +290,7 @@ int main(int argc, char** argv) {
         const std::string a = argv[i];
         if (a == "-h" || a == "--help") return usage(argv[0], "");
         if (a == "--smoke") { opt.smoke = true; continue; }
+        if (a == "--ablations") { opt.ablations = true; continue; }
         if (i + 1 >= argc) return usage(argv[0], "missing value for " + a);
         const std::string v = argv[++i];
         if (a == "--model") opt.model_flag = v;
@@ -346,7 +348,7 @@ int main(int argc, char** argv) {
     wo_factors wo;
     if (result r = wo.compute(m); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
 
-    std::vector<method> methods = kvevict_fidelity::report_methods();
+    std::vector<method> methods = kvevict_fidelity::report_methods(opt.ablations);
     if (!opt.only.empty()) {
         const std::vector<std::string> keep = split(opt.only);
         std::vector<method> sel;
@@ -441,15 +443,35 @@ int main(int argc, char** argv) {
                 "layers of ||o - o_ev|| / ||o|| at the first decoding step.\n",
                 full_bytes / 1024.0, opt.steps);
 
-    // ReST-KV vs SnapKV per layer (the diagnostic docs/fidelity.md discusses)
-    if (layer_err.count("ReST-KV") && layer_err.count("SnapKV")) {
+    // ReST-KV vs SnapKV per layer, with the oracle as the floor (the diagnostic docs/fidelity.md discusses)
+    auto row_of = [&](const char* name) -> int {
+        for (size_t i = 0; i < methods.size(); ++i)
+            if (methods[i].name == name) return int(i);
+        return -1;
+    };
+    const int ir = row_of("ReST-KV"), is = row_of("SnapKV"), io = row_of("Oracle");
+    if (ir >= 0 && is >= 0) {
+        std::printf("\nper-layer oerr (isolated), ReST-KV / SnapKV%s; wins = (prompt, layer) pairs where ReST-KV's error is lower:\n",
+                    io >= 0 ? " / Oracle" : "");
         for (size_t f = 0; f < opt.fractions.size(); ++f) {
-            const auto& r = layer_err["ReST-KV"];
-            const auto& s = layer_err["SnapKV"];
-            if (f >= r.size() || f >= s.size()) continue;
-            std::printf("keep %3.0f%%: per-layer oerr ReST-KV / SnapKV:", 100 * opt.fractions[f]);
-            for (int l = 0; l < c.n_layers; ++l) std::printf(" L%d %.4f/%.4f%s", l, r[f][size_t(l)], s[f][size_t(l)], r[f][size_t(l)] <= s[f][size_t(l)] ? "" : "(!)");
-            std::printf("\n");
+            const auto& R = res[size_t(ir)][f];
+            const auto& S = res[size_t(is)][f];
+            if (R.size() != prompts.size() || S.size() != prompts.size()) continue;
+            std::printf("keep %3.0f%%:", 100 * opt.fractions[f]);
+            int wins = 0, pairs = 0;
+            for (int l = 0; l < c.n_layers; ++l) {
+                double r = 0, s = 0, o = 0;
+                for (size_t p = 0; p < prompts.size(); ++p) {
+                    r += R[p].oerr[size_t(l)] / double(prompts.size());
+                    s += S[p].oerr[size_t(l)] / double(prompts.size());
+                    if (io >= 0 && res[size_t(io)][f].size() == prompts.size()) o += res[size_t(io)][f][p].oerr[size_t(l)] / double(prompts.size());
+                    wins += R[p].oerr[size_t(l)] < S[p].oerr[size_t(l)] ? 1 : 0;
+                    pairs += R[p].oerr[size_t(l)] != S[p].oerr[size_t(l)] ? 1 : 0;
+                }
+                std::printf(" L%d %.4f/%.4f", l, r, s);
+                if (io >= 0) std::printf("/%.4f", o);
+            }
+            std::printf("  wins %d of %d\n", wins, pairs);
         }
     }
     const int expected = int(methods.size() * opt.fractions.size());

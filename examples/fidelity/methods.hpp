@@ -57,9 +57,38 @@ inline std::vector<registered_method> builtin_methods() {
     return v;
 }
 
+/// ReST-KV ablation rows (kvevict_fidelity --ablations), one change each from the published defaults,
+/// along the paper's ablation axes. Diagnostics only: the report's ReST-KV row keeps the defaults.
+inline std::vector<registered_method> restkv_ablation_methods() {
+    using namespace kvevict;
+    using kvevict_engine::policy_method;
+    using R = presets::restkv;
+    using lor = scorers::output_reconstruction;
+    std::vector<registered_method> v;
+    auto p = R::defaults();
+    p.scorer.include_window_in_output = true;
+    v.push_back({1, policy_method<R>("ReST-KV+winz", p)});  // window tokens' share inside z_bar
+    p = R::defaults();
+    p.scorer.use_wo = false;
+    v.push_back({2, policy_method<R>("ReST-KV-noWO", p)});  // value space: R = I
+    p = R::defaults();
+    p.scorer.aggregation = lor::mode::before;
+    v.push_back({3, policy_method<R>("ReST-KV-before", p)});  // the paper's Eq. 7 per window row, then EMA
+    using R_mean = eviction_policy<lor, temporal::mean, spatial::adaptive_window>;
+    v.push_back({4, policy_method<R_mean>("ReST-KV-mean", R_mean::defaults())});  // mean over window rows, no EMA
+    using R_pool = eviction_policy<lor, temporal::ema, spatial::avg_pool>;
+    v.push_back({5, policy_method<R_pool>("ReST-KV-pool", R_pool::defaults())});  // SnapKV's pooling instead of AWS
+    return v;
+}
+
 /// Built-in rows followed by the registered ones, sorted by order (stable).
-inline std::vector<kvevict_engine::method> report_methods() {
+/// `ablations`: also the ReST-KV ablation rows.
+inline std::vector<kvevict_engine::method> report_methods(bool ablations = false) {
     std::vector<registered_method> all = builtin_methods();
+    if (ablations) {
+        const std::vector<registered_method> a = restkv_ablation_methods();
+        all.insert(all.end(), a.begin(), a.end());
+    }
     const auto& extra = method_registry();
     all.insert(all.end(), extra.begin(), extra.end());
     std::stable_sort(all.begin(), all.end(), [](const registered_method& a, const registered_method& b) { return a.order < b.order; });
