@@ -1,0 +1,347 @@
+// SPDX-License-Identifier: Apache-2.0
+// libFuzzer target over kvevict's public CPU API: evictor<Preset, cpu::backend> for every preset
+// and storage type, with random shapes, strides (padding, NHD/HND, broadcast), lengths,
+// positions, budgets, parameters and values (NaN, +-inf, denormals, FLT_MAX, fp16 max, huge and
+// tiny norms), and workspaces full of garbage.
+//
+// Asserts (abort on violation, so libFuzzer records a crash):
+//  * no crash, no sanitizer report, no out-of-bounds access on exactly sized buffers;
+//  * either a clear error - can_implement() and run() agree, the message starts with the error
+//    category, max_selected() == -1, no output written - or a valid result: kept count exactly
+//    max_selected(), indices strictly ascending, unique, inside [0, L) of the head (pads never
+//    kept), protected sink and recent tokens present, pass-through heads whole, candidates
+//    ranked by the returned final scores, maybe_scores finite everywhere (robust::contract);
+//  * errc::non_finite_input is reported iff check_finite is on and the VALID region of a tensor
+//    the scorer reads holds NaN/inf (pads are never scanned);
+//  * a second run with other garbage in the workspace and another thread count gives the same
+//    bytes; compact_ragged() of the selection gathers exactly the selected rows.
+//
+// Input format: docs/failure-kinds.md ("Fuzzing"); tests/fuzz/make_seeds.py writes the seed corpus.
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "robustness/robust_common.hpp"
+
+namespace {
+
+using namespace robust;
+
+/// Consumes the fuzz input front to back; zeros once exhausted (so short inputs are valid).
+struct reader {
+  const std::uint8_t* p;
+  std::size_t n, i = 0;
+  std::uint8_t u8() { return i < n ? p[i++] : 0; }
+  std::uint32_t u32() {
+    std::uint32_t v = 0;
+    for (int k = 0; k < 4; ++k) v |= static_cast<std::uint32_t>(u8()) << (8 * k);
+    return v;
+  }
+  float f32() {
+    const std::uint32_t u = u32();
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  std::int64_t range(std::int64_t lo, std::int64_t hi) { return lo + static_cast<std::int64_t>(u8()) % (hi - lo + 1); }
+};
+
+[[noreturn]] void die(const char* what, const char* detail) {
+  std::fprintf(stderr, "kvevict fuzz invariant violated: %s %s\n", what, detail ? detail : "");
+  std::abort();
+}
+#define FUZZ_ASSERT(cond, detail) \
+  do {                            \
+    if (!(cond)) die(#cond, detail); \
+  } while (0)
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+float special(std::uint8_t b) {
+  const float table[] = {kNaN,     kInf,      -kInf,    std::numeric_limits<float>::denorm_min(),
+                         3.0e38f,  -3.4e38f,  65504.0f, -65504.0f,
+                         0.0f,     -0.0f,     1.0e-40f, 1.0e20f,
+                         -1.0e20f, 1.17e-38f, 1.0f,     -1.0f};
+  return table[b % 16];
+}
+
+/// A float from a parameter byte: mostly small ordinary values, sometimes extreme ones.
+float param_float(reader& r, float ordinary) {
+  const std::uint8_t m = r.u8();
+  if (m < 128) return ordinary;
+  if (m < 192) return special(r.u8());
+  if (m < 224) return static_cast<float>(r.u8()) / 64.0f;
+  return r.f32();
+}
+
+template <class P>
+void mutate_params(typename P::params& p, reader& r) {
+  using S = typename P::scorer;
+  using Tm = typename P::temporal_smoother;
+  using Sp = typename P::spatial_smoother;
+  using Bu = typename P::budgeter;
+  const std::uint8_t sel = r.u8();
+  if (sel & 1) p.selector.num_sink = static_cast<std::int32_t>(r.range(0, 8));
+  if (sel & 2) p.selector.num_recent = static_cast<std::int32_t>(r.range(-2, 9));
+  if (sel & 4) p.selector.recent_share = param_float(r, -1.0f);
+  if (sel & 8) p.selector.num_sink = (sel & 16) ? 2147483647 : -1;
+  if (sel & 32) p.gqa = static_cast<kvevict::gqa_reduction>(r.range(0, 4));
+  if constexpr (std::is_same<Tm, kvevict::temporal::ema>::value) p.temporal.alpha = param_float(r, p.temporal.alpha);
+  if constexpr (std::is_same<Sp, kvevict::spatial::avg_pool>::value) {
+    const std::uint8_t k = r.u8();
+    if (k & 128) p.spatial.kernel = (k & 64) ? 2147483647 : static_cast<int>(k % 16) - 1;
+  }
+  if constexpr (std::is_same<Sp, kvevict::spatial::adaptive_window>::value) {
+    p.spatial.beta = param_float(r, p.spatial.beta);
+    const std::uint8_t k = r.u8();
+    if (k & 128) p.spatial.k_min = (k & 64) ? 2147483647 : static_cast<int>(k % 16) - 1;
+    p.spatial.reference_exact = (k & 1) == 0;
+  }
+  if constexpr (std::is_same<S, kvevict::scorers::output_reconstruction>::value) {
+    const std::uint8_t m = r.u8();
+    p.scorer.aggregation = static_cast<kvevict::scorers::output_reconstruction::mode>(m % 3 == 2 ? 1 : m % 2);
+    p.scorer.use_wo = (m & 4) == 0;
+    p.scorer.include_window_in_output = (m & 8) != 0;
+    p.scorer.tau = param_float(r, 1.0f);
+  }
+  if constexpr (std::is_same<S, kvevict::scorers::accumulated_attention>::value) p.scorer.normalize_by_visible = r.u8() & 1;
+  if constexpr (std::is_same<Bu, kvevict::budgeters::pyramid>::value) {
+    p.budgeter.beta = param_float(r, p.budgeter.beta);
+    p.budgeter.exact_total = (r.u8() & 1) == 0;
+  }
+  if constexpr (std::is_same<Bu, kvevict::budgeters::adakv>::value) p.budgeter.alpha = param_float(r, p.budgeter.alpha);
+}
+
+/// Overwrite a fraction of the valid entries of a 4-D buffer with special values.
+template <class T>
+void inject(buffer4<T>& buf, reader& r, std::uint8_t rate, std::uint64_t seed) {
+  if (rate == 0 || buf.data.empty()) return;
+  kvtest::rng g(seed);
+  for (auto& x : buf.data)
+    if (g.integer(0, 1023) < rate) x = kvevict::from_float<T>(special(static_cast<std::uint8_t>(g.next())));
+  (void)r;
+}
+
+template <class T>
+bool any_nonfinite_valid(const problem<T>& pr, bool keys, bool values, bool queries, bool wo) {
+  const auto& s = pr.sh;
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t h = 0; h < s.Hkv; ++h)
+      for (std::int64_t t = 0; t < pr.length(b, h); ++t)
+        for (std::int64_t d = 0; d < s.D; ++d) {
+          if (keys && !kvevict::is_finite_value(pr.in.keys(b, h, t, d))) return true;
+          if (values && !kvevict::is_finite_value(pr.in.values(b, h, t, d))) return true;
+        }
+  if (queries)
+    for (std::int64_t b = 0; b < s.B; ++b)
+      for (std::int64_t hq = 0; hq < s.Hq(); ++hq) {
+        const std::int64_t L = pr.length(b, hq / s.G);
+        for (std::int64_t j = s.W - std::min(s.W, L); j < s.W; ++j)
+          for (std::int64_t d = 0; d < s.D; ++d)
+            if (!kvevict::is_finite_value(pr.in.queries(b, hq, j, d))) return true;
+      }
+  if (wo)
+    for (float x : pr.wo)
+      if (!std::isfinite(x)) return true;
+  return false;
+}
+
+struct outputs {
+  std::unique_ptr<std::int32_t[]> indptr, indices, positions;
+  std::unique_ptr<float[]> scores;
+  std::unique_ptr<unsigned char[]> ws;
+  std::int64_t rows = 0, cap = 0, seq = 0;
+  std::size_t ws_bytes = 0;
+  void allocate(std::int64_t r, std::int64_t c, std::int64_t s, std::size_t w, unsigned char fill) {
+    rows = r;
+    cap = c;
+    seq = s;
+    ws_bytes = w;
+    // Exactly sized (at least one element so the pointers are valid): ASan sees any overrun.
+    indptr.reset(new std::int32_t[static_cast<std::size_t>(r + 1)]);
+    indices.reset(new std::int32_t[static_cast<std::size_t>(std::max<std::int64_t>(c, 1))]);
+    positions.reset(new std::int32_t[static_cast<std::size_t>(std::max<std::int64_t>(c, 1))]);
+    scores.reset(new float[static_cast<std::size_t>(std::max<std::int64_t>(r * s, 1))]);
+    ws.reset(new unsigned char[std::max<std::size_t>(w, 1)]);
+    std::fill(indptr.get(), indptr.get() + r + 1, -9);
+    std::fill(indices.get(), indices.get() + std::max<std::int64_t>(c, 1), -9);
+    std::fill(positions.get(), positions.get() + std::max<std::int64_t>(c, 1), -9);
+    std::fill(scores.get(), scores.get() + std::max<std::int64_t>(r * s, 1), kNaN);
+    std::memset(ws.get(), fill, std::max<std::size_t>(w, 1));
+  }
+  kvevict::selection_view view() const { return {indptr.get(), indices.get(), positions.get(), cap}; }
+};
+
+template <class P, class T>
+void run_case(reader& r) {
+  using ev_t = kvevict::evictor<P, kvevict::cpu::backend>;
+  const std::uint8_t flags = r.u8();
+  shape s;
+  s.layout = (flags & 1) ? kvevict::kv_layout::nhd : kvevict::kv_layout::hnd;
+  s.with_queries = traits<P>::needs_queries || (flags & 2);
+  s.with_values = true;
+  const int len_mode = (flags >> 2) & 3;  // 0 none, 1 per sequence, 2 per head, 3 per head + broadcast K/V heads
+  const bool check_finite = (flags & 16) == 0;
+  const bool with_positions = (flags & 32) != 0;
+  const int threads = (flags >> 6) & 3;
+  s.B = r.range(1, 3);
+  s.Hkv = r.range(1, 3);
+  s.G = r.range(1, 3);
+  s.S = r.range(0, 40);
+  s.W = r.range(1, std::max<std::int64_t>(1, s.S + 1));  // may exceed S: an error
+  s.D = r.range(1, 17);
+  s.pad = r.range(0, 3);
+  if (len_mode == 1 || len_mode == 2) {
+    s.per_sequence_lengths = len_mode == 1;
+    for (std::int64_t i = 0; i < s.B * s.Hkv; ++i) {
+      const std::uint8_t lb = r.u8();
+      // mostly valid lengths, sometimes just outside [0, S] (an error)
+      s.lengths.push_back(static_cast<std::int32_t>(lb >= 250 ? (lb == 255 ? -1 : s.S + 1) : lb % (s.S + 1)));
+    }
+  }
+  // budget
+  kvevict::budget_request budget;
+  const std::uint8_t bm = r.u8();
+  switch (bm % 4) {
+    case 0: budget.keep_tokens = static_cast<std::int32_t>(r.range(0, 48)); break;
+    case 1: budget.keep_fraction = static_cast<double>(r.u8()) / 255.0; break;
+    case 2: budget.keep_fraction = static_cast<double>(param_float(r, 0.5f)); break;
+    default:
+      budget.keep_tokens = static_cast<std::int32_t>(r.u32());
+      if (bm & 4) budget.keep_fraction = 0.5;  // both set: an error
+  }
+  // params
+  auto params = P::defaults();
+  if (r.u8() & 1) mutate_params<P>(params, r);
+  params.check_finite = check_finite;
+  const int num_layers = static_cast<int>(r.range(1, 40));
+  const int layer_idx = static_cast<int>(r.range(0, 40));  // >= num_layers: an error
+  // values
+  const std::uint32_t seed = r.u32();
+  const int exp2 = static_cast<int>(static_cast<std::int8_t>(r.u8()));  // scale 2^(-128..127)
+  const float scale = std::ldexp(1.0f, std::max(-126, std::min(exp2, 127)));
+  const float poison = special(r.u8());
+  const std::uint8_t rate_k = r.u8() & 15, rate_v = r.u8() & 15, rate_q = r.u8() & 15;
+  const unsigned char ws_fill = r.u8();
+
+  problem<T> pr;
+  pr.init(s, seed, scale, poison);
+  inject(pr.k, r, rate_k, seed + 1);
+  if (s.with_values) inject(pr.v, r, rate_v, seed + 2);
+  if (s.with_queries) inject(pr.q, r, rate_q, seed + 3);
+  if (rate_q > 12) pr.wo[0] = special(static_cast<std::uint8_t>(seed));
+  if (with_positions) {
+    pr.pos.assign(static_cast<std::size_t>(s.B * s.Hkv * s.S), 0);
+    kvtest::rng g(seed + 4);
+    for (auto& x : pr.pos) x = static_cast<std::int32_t>(g.next());
+  }
+  pr.rebuild_views();
+  if (len_mode == 3) {  // every KV head reads head 0's memory (stride 0 broadcast)
+    pr.in.keys.stride[1] = 0;
+    pr.in.values.stride[1] = 0;
+  }
+  pr.in.num_layers = num_layers;
+  pr.in.layer_idx = layer_idx;
+
+  const ev_t ev(params, kvevict::cpu::backend{threads});
+  const kvevict::status st = ev.can_implement(pr.in, budget);
+  const std::int64_t cap = ev.max_selected(pr.in, budget);
+  if (!st.ok()) {
+    const char* msg = st.message();
+    FUZZ_ASSERT(std::strlen(msg) < kvevict::status::message_capacity, msg);
+    FUZZ_ASSERT(std::strncmp(msg, kvevict::to_string(st.code()), std::strlen(kvevict::to_string(st.code()))) == 0, msg);
+    FUZZ_ASSERT(cap == -1, msg);
+    // run() refuses with the same category and writes nothing.
+    outputs o;
+    o.allocate(s.B * std::max<std::int64_t>(s.Hq(), s.Hkv), 4, std::max<std::int64_t>(s.S, 1), 4096, ws_fill);
+    const kvevict::status st2 = ev.run(pr.in, budget, o.view(), o.ws.get(), o.ws_bytes, o.scores.get());
+    FUZZ_ASSERT(st2.code() == st.code(), st2.message());
+    for (std::int64_t i = 0; i <= o.rows; ++i) FUZZ_ASSERT(o.indptr[static_cast<std::size_t>(i)] == -9, msg);
+    return;
+  }
+  FUZZ_ASSERT(cap >= 0, "max_selected < 0 after can_implement ok");
+  const std::int64_t rows = s.B * ev.out_heads(pr.in);
+  outputs o;
+  o.allocate(rows, cap, s.S, ev.workspace_size(pr.in), ws_fill);
+  const kvevict::status rs = ev.run(pr.in, budget, o.view(), o.ws.get(), o.ws_bytes, o.scores.get());
+  using Sc = typename P::scorer;
+  const bool expect_nonfinite =
+      check_finite && any_nonfinite_valid(pr, true, Sc::needs_values, Sc::needs_queries && s.with_queries, Sc::needs_wo_factor(params.scorer));
+  if (!rs.ok()) {
+    FUZZ_ASSERT(rs.code() == kvevict::errc::non_finite_input, rs.message());
+    FUZZ_ASSERT(expect_nonfinite, rs.message());
+    for (std::int64_t i = 0; i <= rows; ++i) FUZZ_ASSERT(o.indptr[static_cast<std::size_t>(i)] == -9, "output written on error");
+    return;
+  }
+  FUZZ_ASSERT(!expect_nonfinite, "non-finite valid input accepted with check_finite on");
+
+  // The contract, re-derived independently of the library's planner.
+  result res;
+  res.rows = rows;
+  res.seq = s.S;
+  res.max_selected = cap;
+  res.indptr.assign(o.indptr.get(), o.indptr.get() + rows + 1);
+  res.indices.assign(o.indices.get(), o.indices.get() + cap);
+  res.positions.assign(o.positions.get(), o.positions.get() + cap);
+  res.scores.assign(o.scores.get(), o.scores.get() + rows * s.S);
+  const std::string bad = check_contract(ev, pr, res, budget);
+  FUZZ_ASSERT(bad.empty(), bad.c_str());
+
+  // Determinism: other garbage in the workspace, another thread count, the same bytes.
+  const ev_t ev2(params, kvevict::cpu::backend{threads == 1 ? 2 : 1});
+  outputs o2;
+  o2.allocate(rows, cap, s.S, ev2.workspace_size(pr.in), static_cast<unsigned char>(~ws_fill));
+  const kvevict::status rs2 = ev2.run(pr.in, budget, o2.view(), o2.ws.get(), o2.ws_bytes, o2.scores.get());
+  FUZZ_ASSERT(rs2.ok(), rs2.message());
+  FUZZ_ASSERT(std::memcmp(o.indptr.get(), o2.indptr.get(), static_cast<std::size_t>(rows + 1) * 4) == 0, "indptr differs");
+  FUZZ_ASSERT(cap == 0 || std::memcmp(o.indices.get(), o2.indices.get(), static_cast<std::size_t>(cap) * 4) == 0, "indices differ");
+  FUZZ_ASSERT(rows * s.S == 0 || std::memcmp(o.scores.get(), o2.scores.get(), static_cast<std::size_t>(rows * s.S) * 4) == 0,
+              "scores differ");
+
+  // Compaction of the selection gathers exactly the selected rows.
+  if (cap > 0 && len_mode != 3) {
+    std::unique_ptr<T[]> dst(new T[static_cast<std::size_t>(cap * s.D)]);
+    const kvevict::const_selection_view sel(o.indptr.get(), o.indices.get(), rows);
+    const kvevict::status cs = kvevict::cpu::compact_ragged<T>(pr.in.keys, sel, dst.get(), cap * s.D);
+    FUZZ_ASSERT(cs.ok(), cs.message());
+    const std::int64_t Gout = rows / (s.B * s.Hkv);
+    for (std::int64_t row = 0; row < rows; ++row)
+      for (std::int32_t i = o.indptr[static_cast<std::size_t>(row)]; i < o.indptr[static_cast<std::size_t>(row + 1)]; ++i)
+        for (std::int64_t d = 0; d < s.D; ++d) {
+          const T a = dst[static_cast<std::size_t>(i * s.D + d)];
+          const T b = pr.in.keys(row / (rows / s.B), (row % (rows / s.B)) / Gout, o.indices[static_cast<std::size_t>(i)], d);
+          FUZZ_ASSERT(std::memcmp(&a, &b, sizeof(T)) == 0, "compact_ragged gathered the wrong row");
+        }
+  }
+}
+
+template <class P>
+void dispatch_type(reader& r) {
+  switch (r.u8() % 3) {
+    case 0: run_case<P, float>(r); break;
+    case 1: run_case<P, half_t>(r); break;
+    default: run_case<P, bfloat16_t>(r); break;
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  reader r{data, size};
+  using namespace kvevict::presets;
+  switch (r.u8() % 8) {
+    case 0: dispatch_type<restkv>(r); break;
+    case 1: dispatch_type<snapkv>(r); break;
+    case 2: dispatch_type<pyramidkv>(r); break;
+    case 3: dispatch_type<adakv>(r); break;
+    case 4: dispatch_type<h2o>(r); break;
+    case 5: dispatch_type<tova>(r); break;
+    case 6: dispatch_type<streaming_llm>(r); break;
+    default: dispatch_type<key_norm>(r); break;
+  }
+  return 0;
+}
