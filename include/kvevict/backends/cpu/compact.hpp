@@ -35,6 +35,21 @@ inline status check_selection(const_selection_view sel, std::int64_t rows, std::
   }
   return {};
 }
+
+/// Byte range [lo, hi) touched by a view (non-negative strides); lo == hi when empty.
+template <class V>
+inline void byte_span(const V& v, std::uintptr_t* lo, std::uintptr_t* hi) {
+  *lo = *hi = reinterpret_cast<std::uintptr_t>(v.data);
+  std::int64_t last = 0;
+  for (int k = 0; k < V::rank; ++k) {
+    if (v.extent[k] <= 0) return;
+    last += (v.extent[k] - 1) * v.stride[k];
+  }
+  *hi = *lo + static_cast<std::uintptr_t>(last + 1) * sizeof(*v.data);
+}
+inline bool spans_overlap(std::uintptr_t a0, std::uintptr_t a1, std::uintptr_t b0, std::uintptr_t b1) {
+  return a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1;
+}
 }  // namespace detail
 
 /// Gather kept rows into `dst`: dst(b, h, i, :) = src(b, h / G, indices[indptr[r] + i], :) for
@@ -64,6 +79,12 @@ template <class T>
     for (int k = 0; k < 4; ++k)
       if (src.stride[k] != dst.stride[k] || G != 1)
         return status::error(errc::invalid_argument, "compact: in-place compaction needs dst == src (same strides, no GQA expansion)");
+  } else {
+    std::uintptr_t s0, s1, d0, d1;
+    detail::byte_span(src, &s0, &s1);
+    detail::byte_span(dst, &d0, &d1);
+    if (detail::spans_overlap(s0, s1, d0, d1))
+      return status::error(errc::invalid_argument, "compact: dst partially overlaps src (use dst == src for in place, or disjoint buffers)");
   }
   for (std::int64_t r = 0; r < B * H; ++r)
     if (sel.indptr[r + 1] - sel.indptr[r] > dst.extent[2])
@@ -104,6 +125,14 @@ template <class T>
   if (static_cast<std::int64_t>(sel.indptr[sel.rows]) * D > dst_elems)
     return status::error(errc::insufficient_capacity, "compact_ragged: dst holds %lld elements, selection needs %lld",
                          static_cast<long long>(dst_elems), static_cast<long long>(sel.indptr[sel.rows]) * D);
+  {
+    std::uintptr_t s0, s1;
+    detail::byte_span(src, &s0, &s1);
+    const std::uintptr_t d0 = reinterpret_cast<std::uintptr_t>(dst);
+    const std::uintptr_t d1 = d0 + static_cast<std::uintptr_t>(sel.indptr[sel.rows] * D) * sizeof(T);
+    if (detail::spans_overlap(s0, s1, d0, d1))
+      return status::error(errc::invalid_argument, "compact_ragged: dst overlaps src");
+  }
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t r = b * H + h;
