@@ -143,6 +143,32 @@ TEST_CASE_TEMPLATE("compaction: dense (NHD/HND), in place and ragged equal a nai
   }
 }
 
+TEST_CASE("compaction: a partial overlap of src and dst is an error and writes nothing") {
+  const std::int64_t B = 1, H = 2, S = 10, D = 4;
+  std::vector<float> buf(static_cast<std::size_t>(B * H * S * D + 64));
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i);
+  const std::vector<float> orig = buf;
+  std::vector<std::int32_t> indptr = {0, 3, 6}, idx = {2, 5, 9, 0, 1, 7};
+  const kv::const_selection_view sel(indptr.data(), idx.data(), B * H);
+  auto src = kv::make_kv_view<const float>(buf.data(), B, H, S, D, kv::kv_layout::hnd);
+  for (std::int64_t shift : {1, 4, 40}) {
+    CAPTURE(shift);
+    auto dst = kv::make_kv_view<float>(buf.data() + shift, B, H, 3, D, kv::kv_layout::hnd);
+    const auto e = kv::cpu::compact<float>(src, sel, dst);
+    CHECK(!e.ok());
+    CHECK(std::string(e.message()).find("overlap") != std::string::npos);
+    CHECK(buf == orig);
+    const auto e2 = kv::cpu::compact_ragged<float>(src, sel, buf.data() + shift, 6 * D);
+    CHECK(!e2.ok());
+    CHECK(std::string(e2.message()).find("overlap") != std::string::npos);
+    CHECK(buf == orig);
+  }
+  // disjoint buffers right next to each other are fine
+  auto dst = kv::make_kv_view<float>(buf.data() + B * H * S * D, B, H, 3, D, kv::kv_layout::hnd);
+  CHECK(kv::cpu::compact<float>(src, sel, dst).ok());
+  CHECK(dst(0, 1, 2, 3) == orig[static_cast<std::size_t>((1 * S + 7) * D + 3)]);
+}
+
 TEST_CASE("compaction of a per-query-head selection expands to q_heads heads; evictor positions follow the slots") {
   kvtest::shape s;
   s.batch = 1, s.kv_heads = 2, s.group = 3, s.cap = 30, s.d = 8, s.window = 4, s.hidden = 16;
