@@ -6,7 +6,7 @@
 // within |g - c| <= 2e-3 |c| + 1e-5 max|row| (a handful of outliers allowed, reported); the
 // selection of a row exactly equal wherever the k-th and (k+1)-th best CPU candidate scores
 // are separated by more than the score tolerance (else the row is counted as a near-tie).
-// KVEVICT_CUDA_TEST_GRID=small limits the grid (used under compute-sanitizer).
+// KVEVICT_CUDA_TEST_GRID=small|tiny limits the grid (used under compute-sanitizer).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -17,6 +17,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "backends/cuda/cpu_reference.hpp"
@@ -27,7 +28,8 @@ using kvevict_test::cpu_result;
 
 namespace {
 
-bool g_small = false;
+bool g_small = false;  // KVEVICT_CUDA_TEST_GRID=small: seq {3, 129}, HND only
+bool g_tiny = false;   // KVEVICT_CUDA_TEST_GRID=tiny: seq {129}, HND, bf16 only (racecheck)
 
 #define CUDA_OK(expr)                                                                      \
   do {                                                                                     \
@@ -62,6 +64,7 @@ struct host_case {
   std::vector<float> wo;
   std::vector<std::int32_t> lens, pos;
   unsigned seed = 0;
+  std::int32_t layer_idx = 0, num_layers = 1;
 
   int Hq() const { return Hkv * G; }
   kv::layer_inputs<T> views(const T* kp, const T* vp, const T* qp, const float* wop, const std::int32_t* lp,
@@ -79,6 +82,8 @@ struct host_case {
     in.wo_factor.stride[0] = static_cast<std::int64_t>(d) * d;
     in.wo_factor.stride[1] = d;
     in.wo_factor.stride[2] = 1;
+    in.layer_idx = layer_idx;
+    in.num_layers = num_layers;
     return in;
   }
 };
@@ -193,6 +198,7 @@ void compare(const char* name, const host_case<T>& c, const typename P::params& 
   CAPTURE(budget.keep_tokens);
   CAPTURE(budget.keep_fraction);
   CAPTURE(kv::to_string(p.gqa));
+  CAPTURE(c.layer_idx);
   const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
   const cpu_result cr = kvevict_test::cpu_run<P, T>(hin, p, budget);
   REQUIRE_MESSAGE(cr.st.ok(), cr.st.message());
@@ -209,6 +215,32 @@ void compare(const char* name, const host_case<T>& c, const typename P::params& 
   for (std::int64_t r = 0; r < rows; ++r)
     if (gr.indptr[r + 1] - gr.indptr[r] != cr.indptr[r + 1] - cr.indptr[r]) budgets_equal = false;
   if (!adakv) CHECK(budgets_equal);
+  if (adakv) {
+    // AdaKV budgets must be equal wherever the layer's T-th and (T+1)-th candidate scores
+    // (CPU) are separated by more than the tolerance.
+    for (int b = 0; b < c.B; ++b) {
+      std::vector<float> all;
+      std::int64_t T = 0;
+      for (std::int64_t h = 0; h < H; ++h) {
+        const auto pl = kv::detail::plan_head(budget, p.selector, c.lens[b], c.W);
+        if (pl.pass_through) continue;
+        T += pl.base_budget - pl.protected_count();
+        for (std::int64_t n = pl.sinks; n < pl.evictable_end(); ++n) all.push_back(cr.scores[(b * H + h) * S + n]);
+      }
+      bool separated = true;
+      if (T > 0 && T < static_cast<std::int64_t>(all.size())) {
+        std::sort(all.begin(), all.end(), [](float x, float y) { return x > y; });
+        const float hi = all[T - 1], lo = all[T];
+        const float tol = 2e-3f * std::max(std::fabs(hi), std::fabs(lo)) + 1e-6f;
+        separated = (hi - lo) > 2.0f * tol;
+      }
+      if (separated)
+        for (std::int64_t h = 0; h < H; ++h) {
+          const std::int64_t r = b * H + h;
+          CHECK_MESSAGE(gr.indptr[r + 1] - gr.indptr[r] == cr.indptr[r + 1] - cr.indptr[r], "adakv budget of row ", r);
+        }
+    }
+  }
   // scores
   for (std::int64_t r = 0; r < rows; ++r) {
     float mx = 0.0f;
@@ -265,12 +297,15 @@ void compare(const char* name, const host_case<T>& c, const typename P::params& 
 
 template <class T>
 void run_grid(compare_stats& cs) {
-  std::vector<int> seqs = g_small ? std::vector<int>{1, 3, 27, 129} : std::vector<int>{1, 3, 27, 129, 4097, 32768};
+  if (g_tiny && !std::is_same<T, kv::bfloat16_t>::value) return;
+  std::vector<int> seqs = g_tiny ? std::vector<int>{129}
+                          : g_small ? std::vector<int>{3, 129}
+                                    : std::vector<int>{1, 3, 27, 129, 4097, 32768};
   const int dims[3] = {64, 128, 8};
   const int groups[4] = {1, 2, 4, 8};
   unsigned seed = 1000u * static_cast<unsigned>(kv::dtype_of<T>::value);
   int idx = 0;
-  for (int layout = 0; layout < 2; ++layout)
+  for (int layout = (g_small || g_tiny) ? 1 : 0; layout < 2; ++layout)
     for (int S : seqs) {
       ++idx;
       const int d = g_small ? (idx % 2 ? 8 : 64) : dims[idx % 3];
@@ -304,11 +339,16 @@ void run_grid(compare_stats& cs) {
         const kv::gqa_reduction modes[3] = {kv::gqa_reduction::mean, kv::gqa_reduction::max, kv::gqa_reduction::per_query_head};
         p.gqa = modes[idx % 3];
         p.selector.num_sink = 2;
-        compare<P>("snapkv", c, p, tok, cs);
+        compare<P>("snapkv", c, p, kv::budget_request::tokens(W + 2 + std::max(1, S / 5)), cs);
       }
       {
         using P = kv::presets::pyramidkv;
-        compare<P>("pyramidkv", c, P::defaults(), tok, cs);
+        auto cl = c;  // layer 3 of 8: the pyramid schedule, exact_total and PyramidKV's integer steps
+        cl.layer_idx = 3;
+        cl.num_layers = 8;
+        auto p = P::defaults();
+        p.budgeter.exact_total = idx % 2 == 0;
+        compare<P>("pyramidkv", cl, p, tok, cs);
       }
       {
         using P = kv::presets::adakv;
@@ -495,9 +535,10 @@ int main(int argc, char** argv) {
   }
   const char* grid = std::getenv("KVEVICT_CUDA_TEST_GRID");
   g_small = grid && std::string(grid) == "small";
+  g_tiny = grid && std::string(grid) == "tiny";
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
-  std::printf("test_cuda: device %s (sm_%d%d), grid %s\n", prop.name, prop.major, prop.minor, g_small ? "small" : "full");
+  std::printf("test_cuda: device %s (sm_%d%d), grid %s\n", prop.name, prop.major, prop.minor, g_tiny ? "tiny" : g_small ? "small" : "full");
   doctest::Context ctx;
   ctx.applyCommandLine(argc, argv);
   return ctx.run();

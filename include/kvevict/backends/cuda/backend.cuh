@@ -230,6 +230,7 @@ struct select_smem {
 /// Radix select (MSB first, 4 passes of 8 bits, one 256-bin shared histogram per pass) of the
 /// K-th largest of key(i), i in [0, n), 1 <= K <= n. Every thread of the block must call it.
 /// Cost: 4 reads of the n keys. Exact (no sampling), so ties are resolved by index afterwards.
+/// blockDim.x must be a multiple of 32 (full warps take part in __match_any_sync).
 template <class KeyF>
 __device__ kth_result block_select_kth(KeyF key, long long n, long long K, select_smem& sm) {
   std::uint32_t prefix = 0u, mask = 0u;
@@ -237,9 +238,18 @@ __device__ kth_result block_select_kth(KeyF key, long long n, long long K, selec
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) sm.hist[i] = 0u;
     __syncthreads();
-    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
-      const std::uint32_t k = key(i);
-      if ((k & mask) == prefix) atomicAdd(&sm.hist[(k >> shift) & 255u], 1u);
+    // Warp-aggregated histogram: lanes with the same digit add once (scores of a row share
+    // their leading bits, so plain shared atomics would serialise on one bin).
+    const int lane = threadIdx.x & 31;
+    for (long long base = 0; base < n; base += blockDim.x) {
+      const long long i = base + threadIdx.x;
+      unsigned int bin = 256u;  // 256: not counted
+      if (i < n) {
+        const std::uint32_t k = key(i);
+        if ((k & mask) == prefix) bin = (k >> shift) & 255u;
+      }
+      const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+      if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&sm.hist[bin], static_cast<unsigned int>(__popc(peers)));
     }
     __syncthreads();
     if (threadIdx.x == 0) {
