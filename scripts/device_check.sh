@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv 2>&1 | t
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 
 step configure 120 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DKVEVICT_BUILD_EXAMPLES=OFF -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_BENCH=ON || true
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_BENCH=ON || true
 step build 300 cmake --build "$BUILD" -j"$JOBS" --target test_cuda bench_cuda || true
 
 TEST=$BUILD/tests/backends/cuda/test_cuda
@@ -72,8 +72,9 @@ for b in data:
     else:
         rows.append(b)
 print(f"\nmeasured device-to-device copy bandwidth: {bw:.0f} GB/s (read + write)" if bw else "\nno D2D measurement")
-hdr = f"{'benchmark':28s} {'total ms':>9s} {'plan':>7s} {'score':>8s} {'gqa+smooth':>10s} {'budget':>7s} {'select':>7s} {'GB/s':>8s} {'% of D2D':>8s} {'ws MB':>8s}"
+hdr = f"{'benchmark':28s} {'total ms':>9s} {'plan':>7s} {'score':>8s} {'gqa+smooth':>10s} {'budget':>7s} {'select':>7s} {'GB/s':>8s} {'% of D2D':>8s} {'score GB/s':>10s} {'ws MB':>8s}"
 print(hdr); print("-" * len(hdr))
+print("(stage columns in ms; GB/s = K + V + Q bytes read once / time; '% of D2D' = GB/s / measured copy bandwidth)")
 restkv_ms = {}
 for b in rows:
     ms = b["real_time"]
@@ -81,7 +82,8 @@ for b in rows:
     frac = f"{100 * gbps / bw:7.1f}%" if bw else "    n/a"
     st = [b.get(k, float("nan")) for k in ("plan_ms", "score_ms", "reduce_smooth_ms", "budget_ms", "select_ms")]
     name = b["name"].split("/iterations")[0].replace("/manual_time", "")
-    print(f"{name:28s} {ms:9.3f} {st[0]:7.3f} {st[1]:8.3f} {st[2]:10.3f} {st[3]:7.3f} {st[4]:7.3f} {gbps:8.0f} {frac} {b.get('ws_MB', 0):8.1f}")
+    sgb = b["bytes"] / (st[1] / 1e3) / 1e9 if st[1] == st[1] and st[1] > 0 else float("nan")
+    print(f"{name:28s} {ms:9.3f} {st[0]:7.3f} {st[1]:8.3f} {st[2]:10.3f} {st[3]:7.3f} {st[4]:7.3f} {gbps:8.0f} {frac} {sgb:10.0f} {b.get('ws_MB', 0):8.1f}")
     if name.startswith("BM_run/restkv/"):
         restkv_ms[int(name.split("/")[-1])] = (ms, b.get("ws_MB", 0.0))
 tl = os.path.join(out, "torch.log")
