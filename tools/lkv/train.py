@@ -290,7 +290,8 @@ def main(argv=None):
     ap.add_argument("--parity", default="", help="also write a C++/PyTorch parity file here")
     ap.add_argument("--report", default="", help="write the eval numbers (JSON) here")
     ap.add_argument("--steps", type=int, default=0)
-    ap.add_argument("--ctx", type=int, default=0, help="context tokens t (BOS included)")
+    ap.add_argument("--ctx", default="", help="context lengths t (BOS included), comma-separated; each step "
+                    "samples one (default 160,320,448; smoke 48,64)")
     ap.add_argument("--cont", type=int, default=0, help="continuation tokens")
     ap.add_argument("--batch", type=int, default=0)
     ap.add_argument("--rows", type=int, default=0, help="training contexts")
@@ -320,10 +321,11 @@ def main(argv=None):
 
     smoke = a.smoke
     steps = a.steps or (25 if smoke else 800)
-    C = a.ctx or (64 if smoke else 256)
+    lengths = sorted(int(x) for x in (a.ctx or ("48,64" if smoke else "160,320,448")).split(","))
+    C = lengths[-1]
     S = a.cont or (16 if smoke else 32)
     B = a.batch or (4 if smoke else 16)
-    n_rows = a.rows or (8 if smoke else 96)
+    n_rows = a.rows or (8 if smoke else 80)
     n_eval = 2 if smoke else 6
     time_limit = a.time_limit or (45 if smoke else 1000)
 
@@ -332,7 +334,7 @@ def main(argv=None):
     tok = Tokenizer(a.tokenizer, cfg.vocab_size)
     with open(a.text, encoding="utf-8") as f:
         text = f.read()
-    log(f"lkv-train: {'smoke' if smoke else 'full'} run, steps={steps} ctx={C} cont={S} batch={B} "
+    log(f"lkv-train: {'smoke' if smoke else 'full'} run, steps={steps} ctx={lengths} cont={S} batch={B} "
         f"rows={n_rows} hidden={a.hidden} R in [{a.r_min}, {a.r_max}] tau {a.tau0}->{a.tau1} seed={a.seed}")
 
     # data: contexts from sherlock (outside the report's prompts), continuations = the true
@@ -350,19 +352,26 @@ def main(argv=None):
     # Teacher: log-probs at the continuation queries (positions C .. C+S-2, inputs cont[:, :-1])
     # with the full context cache. The prediction at position C-1 comes from the prefill, which
     # eviction never changes, so it is not part of the loss.
-    cont_in = cont[:, :-1]
-    with torch.no_grad():
-        lt_all = F.log_softmax(cont_forward(model, kv_all, cont_in, C).double(), -1)
+    # Shorter contexts are prefixes of the same rows (a causal model: their K/V are slices),
+    # continued by the true text.
+    per_len = {}
+    for c in lengths:
+        cc = cont if c == C else data[:, c:c + S]
+        kvc = [(k[:, :, :c], v[:, :, :c]) for k, v in kv_all]
+        with torch.no_grad():
+            per_len[c] = (kvc, cc[:, :-1], F.log_softmax(cont_forward(model, kvc, cc[:, :-1], c).double(), -1))
 
-    held = report_prompts(tok, text, 6, 448)[:n_eval]
-    ectx = torch.tensor([p[:C] for p in held], dtype=torch.long)
-    ekv = context_kv(model, ectx)
-    econt = continue_tokens(model, ectx, ekv, S, 0.0, gen)  # greedy, as the report decodes
-    with torch.no_grad():
-        elt = F.log_softmax(cont_forward(model, ekv, econt[:, :-1], C).double(), -1)
-    ev = {"kv": ekv, "cont": econt[:, :-1], "lt": elt, "C": C}
+    held = report_prompts(tok, text, 6, max(448, C))[:n_eval]
+    evs = []
+    for c in lengths:
+        ectx = torch.tensor([p[:c] for p in held], dtype=torch.long)
+        ekv = context_kv(model, ectx)
+        econt = continue_tokens(model, ectx, ekv, S, 0.0, gen)  # greedy, as the report decodes
+        with torch.no_grad():
+            elt = F.log_softmax(cont_forward(model, ekv, econt[:, :-1], c).double(), -1)
+        evs.append({"kv": ekv, "cont": econt[:, :-1], "lt": elt, "C": c})
     log(f"data: {n_rows} training contexts ({n_rows - half} with model-sampled continuations), "
-        f"{len(held)} held-out report prompts (first {C} tokens + greedy continuation); "
+        f"{len(held)} held-out report prompts (first {lengths} tokens + greedy continuation); "
         f"{time.time() - t_start:.1f}s")
 
     # training --------------------------------------------------------------------------------
@@ -380,20 +389,22 @@ def main(argv=None):
         frac = min(1.0, max(step / max(1, steps - 1), (time.time() - t_train) / max(1.0, time_limit - (t_train - t_start))))
         tau = a.tau0 * (a.tau1 / a.tau0) ** frac
         R = rng.uniform(a.r_min, a.r_max)
+        c = lengths[rng.randrange(len(lengths))]
+        kvc, cin, ltc = per_len[c]
         idx = torch.randint(0, n_rows, (B,), generator=gen)
-        kv = [(k[idx], v[idx]) for k, v in kv_all]
-        u = utilities(params, kv)  # (L, B, H, C)
-        beta = lkv.soft_budgets(params.z, a.temperature, R, C).reshape(L, 1, H).expand(L, B, H)
+        kv = [(k[idx], v[idx]) for k, v in kvc]
+        u = utilities(params, kv)  # (L, B, H, c)
+        beta = lkv.soft_budgets(params.z, a.temperature, R, c).reshape(L, 1, H).expand(L, B, H)
         m = soft_topk(u, beta.to(u.dtype), tau)
-        s_logits = cont_forward(model, kv, cont_in[idx], C, torch.log(m + a.eps))
-        loss = kl_rows(lt_all[idx], s_logits)
+        s_logits = cont_forward(model, kv, cin[idx], c, torch.log(m + a.eps))
+        loss = kl_rows(ltc[idx], s_logits)
         opt.zero_grad()
         loss.backward()
         opt.step()
         ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
         if step % (5 if smoke else 50) == 0 or step == steps - 1:
             r = torch.softmax(params.z.detach().reshape(-1) / a.temperature, 0)
-            log(f"step {step:4d} tau {tau:.3f} R {R:.3f} loss {float(loss):.4f} (ema {ema:.4f}) "
+            log(f"step {step:4d} t {c} tau {tau:.3f} R {R:.3f} loss {float(loss):.4f} (ema {ema:.4f}) "
                 f"r*N min/max {float(r.min()) * L * H:.2f}/{float(r.max()) * L * H:.2f} "
                 f"[{time.time() - t_train:.0f}s]")
         if frac >= 1.0:
@@ -413,12 +424,13 @@ def main(argv=None):
         "\n".join("  " + " ".join(f"{float(x):5.2f}" for x in row) for row in rr))
 
     # evaluation ------------------------------------------------------------------------------
-    res = evaluate(model, params, ev, a.temperature)
-    report = {"steps_done": step + 1, "seconds": time.time() - t_start, "ctx": C, "cont": S,
+    report = {"steps_done": step + 1, "seconds": time.time() - t_start, "ctx": lengths, "cont": S,
               "ratios_times_N": [[float(x) for x in row] for row in rr], "eval": {}}
-    for (kind, R), (kl, top1) in sorted(res.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        log(f"held-out R={R:.2f} budgets={kind:8s} (learned scorer): KL {kl:.4f}  top-1 {top1:.3f}")
-        report["eval"][f"{kind}@{R}"] = {"kl": kl, "top1": top1}
+    for ev in evs:
+        res = evaluate(model, params, ev, a.temperature)
+        for (kind, R), (kl, top1) in sorted(res.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            log(f"held-out t={ev['C']} R={R:.2f} budgets={kind:8s} (learned scorer): KL {kl:.4f}  top-1 {top1:.3f}")
+            report["eval"][f"t{ev['C']}:{kind}@{R}"] = {"kl": kl, "top1": top1}
     if a.report:
         with open(a.report, "w") as f:
             json.dump(report, f, indent=1)
