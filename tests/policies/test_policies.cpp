@@ -521,6 +521,34 @@ TEST_CASE_TEMPLATE("failure kind 8: a padded batch equals the sequences run one 
   }
 }
 
+TEST_CASE("failure kind 8: per-sequence lengths, and a sequence shorter than the window with NaN in its unused query rows") {
+  kvtest::shape s;
+  s.batch = 3, s.kv_heads = 2, s.group = 2, s.cap = 30, s.d = 8, s.window = 6, s.hidden = 16;
+  const std::vector<std::int32_t> seq_lens = {30, 3, 22};
+  kvtest::problem p = kvtest::make_problem(s, 1550, 1.0, 1.0, 1.0, {30, 30, 3, 3, 22, 22});
+  for (std::int64_t hq = 0; hq < s.q_heads(); ++hq)  // sequence 1 uses only its last 3 query rows
+    for (std::int64_t j = 0; j < 3; ++j)
+      for (std::int64_t d = 0; d < s.d; ++d) p.Q[p.q_idx(1, hq, j, d)] = std::numeric_limits<double>::quiet_NaN();
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::hnd, st);
+  kv::evictor<kv::presets::restkv, kv::cpu::backend> ev;
+  auto per_head = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(10));
+  REQUIRE_MESSAGE(per_head.st.ok(), per_head.st.message());
+  st.in.lengths = kv::per_sequence_lengths(seq_lens.data(), s.batch, s.kv_heads);
+  auto per_seq = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(10));
+  REQUIRE(per_seq.st.ok());
+  CHECK(per_seq.indices == per_head.indices);
+  CHECK(per_seq.indptr == per_head.indptr);
+  CHECK(per_seq.kept(2) == std::vector<std::int32_t>{0, 1, 2});
+  CHECK(per_seq.kept(3) == std::vector<std::int32_t>{0, 1, 2});
+  for (float x : per_seq.scores) CHECK(std::isfinite(x));
+  ref_config c;
+  c.scorer = scorer_kind::lor, c.temporal = kvref::temporal_kind::ema, c.alpha = static_cast<double>(0.3f);
+  c.spatial = spatial_kind::adaptive, c.keep_tokens = 10;
+  const std::string diff = kvtest::compare(per_seq, kvtest::reference_run(p, c));
+  CHECK_MESSAGE(diff.empty(), diff);
+}
+
 // ---- failure kinds 9 and 10: accounting, order, positions -----------------------------------
 
 TEST_CASE("failure kinds 9, 10: exact counts, workspace query, compaction shrinks, ascending order, positions") {

@@ -435,3 +435,49 @@ TEST_CASE("NaN/inf outside the valid region (padding) is never read; check_finit
   CHECK(lib.kept(1).size() == 6);
   CHECK(lib.kept(1).back() == 8);
 }
+
+TEST_CASE("threads and workspace alignment do not change the result") {
+  kvtest::shape s;
+  s.batch = 3, s.kv_heads = 2, s.group = 2, s.cap = 64, s.d = 16, s.window = 8, s.hidden = 32;
+  kvtest::problem p = kvtest::make_problem(s, 3400, 1.0, 1.5, 1.0, {64, 64, 50, 41, 64, 20});
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::nhd, st);
+  const auto budget = kv::budget_request::tokens(24);
+  kv::evictor<kv::presets::restkv, kv::cpu::backend> ev1(kv::presets::restkv::defaults(), kv::cpu::backend{1});
+  auto base = kvtest::run_lib(ev1, st.in, budget);
+  REQUIRE(base.st.ok());
+  for (int nt : {2, 3, 7}) {
+    CAPTURE(nt);
+    kv::evictor<kv::presets::restkv, kv::cpu::backend> ev(kv::presets::restkv::defaults(), kv::cpu::backend{nt});
+    auto r = kvtest::run_lib(ev, st.in, budget);
+    REQUIRE(r.st.ok());
+    CHECK(r.indptr == base.indptr);
+    CHECK(r.indices == base.indices);
+    CHECK(r.scores == base.scores);
+  }
+  // a caller's workspace at an arbitrary address, exactly workspace_size() bytes
+  const std::size_t ws = ev1.workspace_size(st.in);
+  for (std::size_t off : {1u, 8u, 100u}) {
+    CAPTURE(off);
+    std::vector<unsigned char> w(ws + 512);
+    unsigned char* aligned = w.data() + (256 - reinterpret_cast<std::uintptr_t>(w.data()) % 256) % 256;
+    std::vector<std::int32_t> indptr(base.indptr.size()), idx(base.indices.size());
+    std::vector<float> sc(base.scores.size());
+    kv::selection_view sel{indptr.data(), idx.data(), nullptr, static_cast<std::int64_t>(idx.size())};
+    const kv::status r = ev1.run(st.in, budget, sel, aligned + off, ws, sc.data());
+    REQUIRE_MESSAGE(r.ok(), r.message());
+    CHECK(indptr == base.indptr);
+    CHECK(idx == base.indices);
+    CHECK(sc == base.scores);
+  }
+}
+
+TEST_CASE("gqa = layer_mean with unequal head lengths is rejected by name") {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 1, s.cap = 20, s.d = 8, s.window = 4;
+  kvtest::problem p = kvtest::make_problem(s, 3500, 1.0, 1.0, 1.0, {20, 18});
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::nhd, st);
+  kv::evictor<kv::presets::tova, kv::cpu::backend> ev;
+  expect_error(ev, st.in, kv::budget_request::tokens(8), kv::errc::invalid_argument, "layer_mean");
+}
