@@ -74,6 +74,38 @@ TEST_CASE("reference self-check: Eq. 7 (straightforward and exact) equals brute-
   }
 }
 
+TEST_CASE("reference self-check: at logit gaps 40 and 150 the exact form equals brute force, the naive fp64 form does not") {
+  for (double gap : {40.0, 150.0}) {
+    CAPTURE(gap);
+    const std::int64_t L = 48, d = 16, C = 24, n0 = 17;
+    kvtest::rng r(5);
+    kvref::mat Q(1, d), K(L, d), V(L, d), WO(C, d);
+    for (auto& x : Q.a) x = 0.1 * r.normal();
+    for (auto& x : K.a) x = 0.3 * r.normal();
+    for (auto& x : V.a) x = r.normal();
+    for (auto& x : WO.a) x = r.normal();
+    Q(0, 0) = 3.0;
+    double mx = -1e300;
+    for (std::int64_t n = 0; n < L; ++n) {
+      if (n == n0) continue;
+      double l = 0.0;
+      for (std::int64_t c = 0; c < d; ++c) l += Q(0, c) * K(n, c);
+      mx = std::max(mx, l / 4.0);
+    }
+    for (std::int64_t c = 0; c < d; ++c) K(n0, c) = c == 0 ? (gap + mx) * 4.0 / 3.0 : 0.0;
+    const kvref::mat A = kvref::window_attention(Q, K, L, 1);
+    const kvref::vec a(A.row(0), A.row(0) + L);
+    const double bf = kvref::brute_force_removal(a, V, &WO, n0);
+    const auto ex = kvref::lor_before(A, {1.0}, V, L, &WO, 1.0, kvref::lor_eval::exact);
+    const auto nv = kvref::lor_before(A, {1.0}, V, L, &WO, 1.0, kvref::lor_eval::straightforward);
+    CHECK(std::isfinite(bf));
+    CHECK(bf > 0.0);
+    CHECK(ex[static_cast<std::size_t>(n0)] == doctest::Approx(bf).epsilon(1e-12));
+    // a/(1-a) * ||z W - v W|| in fp64: 1 - a has no correct digit left at these gaps
+    CHECK(!(std::fabs(nv[static_cast<std::size_t>(n0)] - bf) <= 1e-3 * bf));
+  }
+}
+
 TEST_CASE_TEMPLATE("LOR with one query equals brute-force removal (value space and W_O, after and before)", T, float,
                    half_t, bfloat16_t) {
   kvtest::shape s;
