@@ -220,17 +220,17 @@ void compare(const char* name, const host_case<T>& c, const typename P::params& 
     // (CPU) are separated by more than the tolerance.
     for (int b = 0; b < c.B; ++b) {
       std::vector<float> all;
-      std::int64_t T = 0;
+      std::int64_t total_t = 0;
       for (std::int64_t h = 0; h < H; ++h) {
         const auto pl = kv::detail::plan_head(budget, p.selector, c.lens[b], c.W);
         if (pl.pass_through) continue;
-        T += pl.base_budget - pl.protected_count();
+        total_t += pl.base_budget - pl.protected_count();
         for (std::int64_t n = pl.sinks; n < pl.evictable_end(); ++n) all.push_back(cr.scores[(b * H + h) * S + n]);
       }
       bool separated = true;
-      if (T > 0 && T < static_cast<std::int64_t>(all.size())) {
+      if (total_t > 0 && total_t < static_cast<std::int64_t>(all.size())) {
         std::sort(all.begin(), all.end(), [](float x, float y) { return x > y; });
-        const float hi = all[T - 1], lo = all[T];
+        const float hi = all[total_t - 1], lo = all[total_t];
         const float tol = 2e-3f * std::max(std::fabs(hi), std::fabs(lo)) + 1e-6f;
         separated = (hi - lo) > 2.0f * tol;
       }
