@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvevict/core/config.hpp"
 
@@ -49,9 +50,10 @@ struct strided_view {
     for (int k = 0; k < Rank; ++k) n *= extent[k];
     return n;
   }
-  /// Implicit view-to-const conversion.
-  KVEVICT_HOST_DEVICE operator strided_view<const T, Rank>() const {
-    strided_view<const T, Rank> v;
+  /// Implicit view-to-const conversion (only for views of non-const T).
+  template <class U = T, class = std::enable_if_t<!std::is_const<U>::value>>
+  KVEVICT_HOST_DEVICE operator strided_view<const U, Rank>() const {
+    strided_view<const U, Rank> v;
     v.data = data;
     for (int k = 0; k < Rank; ++k) {
       v.extent[k] = extent[k];
