@@ -216,6 +216,9 @@ struct method {
     std::string name;
     int window = 32;
     std::function<result(const layer_state&)> evict;
+    /// True when `evict` needs layer_state::next_query / next_key / next_value (oracles); such methods
+    /// cannot run in eviction_session, which has no look-ahead.
+    bool needs_lookahead = false;
 };
 
 /// A method running kvevict preset/policy `Policy` with params `p` (the papers' defaults by default).

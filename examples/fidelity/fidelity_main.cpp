@@ -52,7 +52,7 @@ std::string resolve_data_dir(const std::string& flag) {
 
 struct options {
     std::string model_flag, data_flag, out_dir = ".", only;
-    int prompts = 6, prompt_tokens = 448, steps = 64;
+    int prompts = 6, prompt_tokens = 448, steps = 64, chunk = 0;
     std::vector<double> fractions{0.1, 0.2, 0.3, 0.5};
     bool smoke = false, ablations = false;
 };
@@ -61,7 +61,7 @@ int usage(const char* argv0, const std::string& why) {
     if (!why.empty()) std::fprintf(stderr, "error: %s\n", why.c_str());
     std::fprintf(stderr,
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
-                 "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..] [--ablations]\n"
+                 "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..] [--ablations] [--chunk N]\n"
                  "  --smoke            1 prompt, fractions 0.2,0.5, 8 steps; checks the table (exit 1 if incomplete\n"
                  "                     or not finite; exit 0 with a message if the model/text folder is missing)\n"
                  "  --model DIR        model folder (default $KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K)\n"
@@ -72,7 +72,9 @@ int usage(const char* argv0, const std::string& why) {
                  "  --steps N          continuation tokens (default 64)\n"
                  "  --fractions LIST   keep fractions in (0, 1] (default 0.1,0.2,0.3,0.5)\n"
                  "  --methods LIST     only these rows (names as printed)\n"
-                 "  --ablations        add ReST-KV ablation rows (diagnostics; one change each from the defaults)\n",
+                 "  --ablations        add ReST-KV ablation rows (diagnostics; one change each from the defaults)\n"
+                 "  --chunk N          chunked-prefill eviction every N prompt tokens (budget floor(f * prompt) tokens per\n"
+                 "                     head) instead of one-shot; rows that need the look-ahead (Oracle) are left out\n",
                  argv0);
     return 2;
 }
@@ -230,9 +232,24 @@ double mean(const std::vector<double>& v) {
     return v.empty() ? 0.0 : s / double(v.size());
 }
 
-result evaluate(const model& m, const wo_factors& wo, const reference& ref, const method& meth, double fraction, metrics& out) {
+/// The evicted cache of one (excerpt, method, fraction): one-shot eviction of the prefilled cache
+/// (chunk == 0), or chunked prefill through eviction_session (chunk > 0: every `chunk` prompt tokens,
+/// budget floor(fraction * prompt length) tokens per head).
+result evicted_cache(const model& m, const wo_factors& wo, const reference& ref, const std::vector<int>& prompt, const method& meth,
+                     double fraction, int chunk, kv_cache& cache) {
     const config& c = m.cfg;
-    kv_cache cache = ref.prefilled;
+    if (chunk > 0) {
+        session_options so;
+        so.prefill = prefill_mode::chunked;
+        so.chunk = chunk;
+        so.budget = kvevict::budget_request::tokens(std::max(1, int(std::floor(fraction * double(prompt.size())))));
+        eviction_session s(m, wo, meth, so, ref.prefilled.capacity());
+        std::vector<float> logits;
+        if (result r = s.prefill(prompt, logits); !r) return r;
+        cache = s.cache();
+        return result::success();
+    }
+    cache = ref.prefilled;
     for (int l = 0; l < c.n_layers; ++l) {
         layer_state s;
         s.m = &m;
@@ -246,6 +263,14 @@ result evaluate(const model& m, const wo_factors& wo, const reference& ref, cons
         s.next_value = ref.v[size_t(l)].data();
         if (result r = meth.evict(s); !r) return r;
     }
+    return result::success();
+}
+
+result evaluate(const model& m, const wo_factors& wo, const reference& ref, const std::vector<int>& prompt, const method& meth,
+                double fraction, int chunk, metrics& out) {
+    const config& c = m.cfg;
+    kv_cache cache;
+    if (result r = evicted_cache(m, wo, ref, prompt, meth, fraction, chunk, cache); !r) return r;
     out = metrics{};
     for (int l = 0; l < c.n_layers; ++l)
         for (int h = 0; h < c.n_kv_heads; ++h) out.kv_bytes += double(cache.length(l, h)) * c.head_dim() * 2 * sizeof(float);
@@ -300,7 +325,9 @@ int main(int argc, char** argv) {
         else if (a == "--prompts") prompts_flag = v;
         else if (a == "--steps") steps_flag = v;
         else if (a == "--fractions") fractions_flag = v;
-        else if (a == "--prompt-tokens") {
+        else if (a == "--chunk") {
+            if (!parse_int(v, 1, 1 << 20, opt.chunk)) return usage(argv[0], "--chunk needs an integer in 1..1048576");
+        } else if (a == "--prompt-tokens") {
             if (!parse_int(v, 40, 1 << 20, opt.prompt_tokens)) return usage(argv[0], "--prompt-tokens needs an integer in 40..1048576");
         } else return usage(argv[0], "unknown option " + a);
     }
@@ -360,10 +387,19 @@ int main(int argc, char** argv) {
         }
         methods = sel;
     }
+    if (opt.chunk > 0) {
+        std::vector<method> sel;
+        for (const method& mm : methods)
+            if (!mm.needs_lookahead) sel.push_back(mm);
+            else std::printf("note: row %s left out (needs the look-ahead; chunked prefill has none)\n", mm.name.c_str());
+        methods = sel;
+    }
     const config& c = m.cfg;
     std::printf("kvevict fidelity: stories260K (dim %d, %d layers, %d heads / %d KV heads, head_dim %d), %d excerpts of %d tokens "
-                "from sherlock.txt, %d continuation tokens, one-shot eviction at the end of prefill\n",
-                c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), opt.prompts, opt.prompt_tokens, opt.steps);
+                "from sherlock.txt, %d continuation tokens, %s\n",
+                c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), opt.prompts, opt.prompt_tokens, opt.steps,
+                opt.chunk > 0 ? ("chunked-prefill eviction every " + std::to_string(opt.chunk) + " tokens").c_str()
+                              : "one-shot eviction at the end of prefill");
 
     // results[method][fraction] = per-prompt metrics
     std::vector<std::vector<std::vector<metrics>>> res(methods.size(), std::vector<std::vector<metrics>>(opt.fractions.size()));
@@ -383,7 +419,7 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < methods.size(); ++i)
             for (size_t f = 0; f < opt.fractions.size(); ++f) {
                 metrics mt;
-                if (result r = evaluate(m, wo, ref, methods[i], opt.fractions[f], mt); !r) {
+                if (result r = evaluate(m, wo, ref, prompts[p], methods[i], opt.fractions[f], opt.chunk, mt); !r) {
                     std::fprintf(stderr, "error: %s at keep %.2f, prompt %zu: %s\n", methods[i].name.c_str(), opt.fractions[f], p, r.error.c_str());
                     ok = false;
                     continue;

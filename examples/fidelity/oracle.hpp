@@ -97,6 +97,7 @@ inline kvevict_engine::method oracle_method(std::string name = "Oracle") {
     kvevict_engine::method m;
     m.name = std::move(name);
     m.window = 0;
+    m.needs_lookahead = true;
     m.evict = [](const kvevict_engine::layer_state& s) -> kvevict_engine::result {
         using kvevict_engine::result;
         if (!s.m || !s.cache) return result::failure("oracle: layer_state.m and .cache must be set");
