@@ -329,6 +329,9 @@ def main(argv=None):
     n_eval = 2 if smoke else 6
     time_limit = a.time_limit or (45 if smoke else 1000)
 
+    if not os.path.exists(a.model) or not os.path.exists(a.text):
+        log(f"skipping: model {a.model} or text {a.text} missing (nothing written)")
+        return 0
     model = load_llama2c(a.model)
     cfg = model.cfg
     tok = Tokenizer(a.tokenizer, cfg.vocab_size)

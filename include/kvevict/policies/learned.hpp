@@ -119,9 +119,10 @@ namespace budgeters {
 /// (detail::lkv_water_fill). The evictor of layer l applies budgets[l * kv_heads + h] to KV head
 /// h (and to every query-head row of its group in gqa_reduction::per_query_head mode).
 /// Heads the plan marks pass-through (length <= base budget) keep everything.
+/// When the protected tokens of all heads exceed B_total, every head keeps exactly its
+/// protected tokens (as with the uniform budgeter).
 /// Errors: null logits, non-positive shape, temperature <= 0 or not finite, non-finite logit,
-/// shape different from the layer inputs, unequal head lengths with num_tokens = 0,
-/// protected tokens exceeding the total.
+/// shape different from the layer inputs, unequal head lengths with num_tokens = 0.
 struct headwise_learned {
   struct params {
     const float* logits = nullptr;
