@@ -327,15 +327,33 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
           std::int64_t dom = 0;
           for (std::int64_t n = 1; n < L; ++n)
             if (s.abar[n] > s.abar[dom]) dom = n;
-          for (std::int64_t n = 0; n < L; ++n) {
-            const float a = s.abar[n];
-            if (a <= 0.0f) {
-              out[n] = 0.0f;
-              continue;
+          // ||R z - Y_n|| for 8 tokens at a time: each token's fp64 sum of squares runs in the
+          // same order as a plain loop over c (identical results), but 8 independent sums hide
+          // the fp64 add latency (a single running sum was latency-bound: docs/performance.md).
+          constexpr std::int64_t tok_block = 8;
+          for (std::int64_t n0 = 0; n0 < L; n0 += tok_block) {
+            const std::int64_t nb = std::min(tok_block, L - n0);
+            double d2[tok_block] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+            const float* yb = s.ybuf + n0 * d;
+            for (std::int64_t c = 0; c < d; ++c) {
+              const float zc = rz[c];
+              for (std::int64_t t = 0; t < nb; ++t) {
+                const double e = static_cast<double>(zc - yb[t * d + c]);
+                const double sq = e * e;  // separate statement: contracts like Eigen's abs2 + sum
+                d2[t] += sq;
+              }
             }
-            const double dist = (rz.transpose() - Y.row(n)).cast<double>().norm();
-            const double dd = tau == 1.0f ? dist : std::pow(dist, static_cast<double>(tau));
-            out[n] = saturate(static_cast<double>(a) / (1.0 - static_cast<double>(a)) * dd * out_scale);
+            for (std::int64_t t = 0; t < nb; ++t) {
+              const std::int64_t n = n0 + t;
+              const float a = s.abar[n];
+              if (a <= 0.0f) {
+                out[n] = 0.0f;
+                continue;
+              }
+              const double dist = std::sqrt(d2[t]);
+              const double dd = tau == 1.0f ? dist : std::pow(dist, static_cast<double>(tau));
+              out[n] = saturate(static_cast<double>(a) / (1.0 - static_cast<double>(a)) * dd * out_scale);
+            }
           }
           if (s.abar[dom] > 15.0f / 16.0f) {
             // Exact limit for the dominant token: a * (1-a)^(tau-1) * ||R(z_{-n} - v_n)||^tau with
@@ -375,11 +393,16 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
               }
             }
             if (den > 0.0) {
-              Eigen::VectorXd diff = num / den - V.row(n0).transpose().cast<double>();
+              // v_n0 is part of z only when n0 < zlim. A window token left out of z (possible
+              // candidate when fewer than w recent tokens are protected) has no cancellation:
+              // s = a / (1-a) * ||R(z - v_n0)||^tau, z = num * e^E, with the exact 1 - a.
+              const bool in_z = n0 < zlim;
+              Eigen::VectorXd diff = (in_z ? Eigen::VectorXd(num / den) : Eigen::VectorXd(num * std::exp(E))) -
+                                     V.row(n0).transpose().cast<double>();
               const double dist = use_r ? (R.cast<double>() * diff).norm() : diff.norm();
               const double log1m = std::log(den) + E;
               const double a = s.abar[n0];
-              const double sc = a * std::exp((tau - 1.0) * log1m) * std::pow(dist, static_cast<double>(tau));
+              const double sc = a * std::exp((in_z ? tau - 1.0 : -1.0) * log1m) * std::pow(dist, static_cast<double>(tau));
               out[n0] = saturate(sc * out_scale);
             }
           }
