@@ -27,7 +27,8 @@
 //
 // 3. decode_attention: one decoding step (one query per q head, GQA: 4 queries share a KV
 //    head) over a cache of n tokens: softmax(q K^T / sqrt(d)) V with Eigen, 8 KV heads over the
-//    OpenMP threads, fp32. n = 32768 (full cache) and the compacted caches of B = 2048, 1024,
+//    OpenMP threads (decode_attention) or on one thread (decode_attention_1thread: no
+//    parallel-region cost, which dominates the small compacted caches on a loaded machine), fp32. n = 32768 (full cache) and the compacted caches of B = 2048, 1024,
 //    512 tokens (built with cpu::compact from the 32k cache). bytes = 2 * 8 n d * 4 (K and V
 //    once); flops = 4 * 32 n d.
 //
@@ -284,6 +285,7 @@ const decode_cache& get_decode_cache(std::int64_t n) {
   return *caches.back();
 }
 
+template <bool Threaded>
 void BM_decode_attention(benchmark::State& st) {
   const std::int64_t n = st.range(0), d = kb::kHeadDim, G = kb::kGroup;
   const float* kp;
@@ -307,6 +309,7 @@ void BM_decode_attention(benchmark::State& st) {
   std::vector<float> sbuf(static_cast<std::size_t>(nt * G * n));
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   kc::backend be{};
+  be.num_threads = Threaded ? 0 : 1;
   for (auto _ : st) {
     kc::detail::parallel_for(be, kb::kKvHeads, [&](std::int64_t h, int tid) {
       cmap K(kp + h * n * d, n, d), V(vp + h * n * d, n, d), Q(q.data() + h * G * d, G, d);
@@ -379,12 +382,18 @@ struct registrar {
       b->UseRealTime()->Unit(benchmark::kMillisecond);
     kb::register_seq("restkv_scoring_kvevict/f32", BM_restkv_kvevict, kb::kSeqLensWith8k, iters_kvevict);
     kb::register_seq("restkv_scoring_reference/f32", BM_restkv_reference, kb::kSeqLensWith8k, iters_reference);
-    for (const std::int64_t n : {std::int64_t{32768}, std::int64_t{2048}, std::int64_t{1024}, std::int64_t{512}})
-      benchmark::RegisterBenchmark("decode_attention/f32", BM_decode_attention)
+    for (const std::int64_t n : {std::int64_t{32768}, std::int64_t{2048}, std::int64_t{1024}, std::int64_t{512}}) {
+      benchmark::RegisterBenchmark("decode_attention/f32", BM_decode_attention<true>)
           ->Arg(n)
           ->ArgName("cache")
           ->UseRealTime()
           ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark("decode_attention_1thread/f32", BM_decode_attention<false>)
+          ->Arg(n)
+          ->ArgName("cache")
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
     kb::register_seq("prefill_attention/f32", BM_prefill_attention, kb::kSeqLens, iters_prefill);
   }
 } the_registrar;
