@@ -341,8 +341,11 @@ public:
     const session_options& options_used() const { return opt_; }
     /// Evictions run since construction / reset().
     int evictions() const { return evictions_; }
-    /// Largest per-head length any layer reached right after a forward step (the peak cache size).
+    /// Largest per-head length any layer reached right after a forward step (the peak cache size),
+    /// since construction, reset() or reset_peak().
     int max_length_seen() const { return max_len_; }
+    /// Restarts max_length_seen() (e.g. after the prefill, to watch the decode phase alone).
+    void reset_peak() { max_len_ = 0; }
 
 private:
     forward_options options() {

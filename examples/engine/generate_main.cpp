@@ -1,6 +1,8 @@
-// kvevict_engine example CLI: continue a prompt with the stories260K model (full KV cache, no eviction).
+// kvevict_engine example CLI: continue a prompt with the stories260K model, optionally evicting the KV cache.
 // Usage: generate [--model DIR] [--prompt TEXT] [--steps N] [--temperature T] [--seed S]
-// Build: g++ -std=c++17 -O2 -I/usr/include/eigen3 -DKVEVICT_SOURCE_DIR="\"$PWD\"" examples/engine/generate_main.cpp -o /tmp/generate
+//                 [--evict restkv|snapkv|h2o|streaming_llm --keep X [--chunk N] [--interval N]]
+// Build: g++ -std=c++17 -O2 -Iinclude -I/usr/include/eigen3 -DKVEVICT_SOURCE_DIR="\"$PWD\"" examples/engine/generate_main.cpp -o /tmp/generate
+#include "evict.hpp"
 #include "forward.hpp"
 #include "model_path.hpp"
 #include "tokenizer.hpp"
@@ -21,7 +23,12 @@ int usage(const char* argv0, const std::string& why) {
                  "  --prompt TEXT    prompt (default: empty, i.e. start from BOS)\n"
                  "  --steps N        tokens to generate (default 64)\n"
                  "  --temperature T  0 = greedy (default 0)\n"
-                 "  --seed S         RNG seed for sampling (default 42)\n",
+                 "  --seed S         RNG seed for sampling (default 42)\n"
+                 "  --evict NAME     evict the KV cache with a kvevict preset: restkv, snapkv, h2o, streaming_llm\n"
+                 "                   (default: none, the full cache)\n"
+                 "  --keep X         per-head budget: a fraction in (0, 1), or a token count >= 1 (required with --evict)\n"
+                 "  --chunk N        chunked prefill: evict after every N prompt tokens (default: once, after the prompt)\n"
+                 "  --interval N     decode-time cap: evict every N generated tokens (needs a token count for --keep)\n",
                  argv0);
     return 2;
 }
@@ -37,6 +44,9 @@ int main(int argc, char** argv) {
     int steps = 64;
     float temperature = 0.0f;
     unsigned seed = 42;
+    std::string evict_name;
+    double keep = 0;
+    int chunk = 0, interval = 0;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "-h" || a == "--help") return usage(argv[0], "");
@@ -54,6 +64,18 @@ int main(int argc, char** argv) {
         } else if (a == "--seed") {
             if (!parse_number(v, x) || x < 0) return usage(argv[0], "--seed needs a non-negative integer");
             seed = unsigned(x);
+        } else if (a == "--evict") {
+            evict_name = v;
+        } else if (a == "--keep") {
+            if (!parse_number(v, x) || !(x > 0) || x > 1e6 || (x >= 1 && x != double(long(x))))
+                return usage(argv[0], "--keep needs a fraction in (0, 1) or a token count >= 1");
+            keep = x;
+        } else if (a == "--chunk") {
+            if (!parse_number(v, x) || x < 1 || x > 1e6) return usage(argv[0], "--chunk needs a count in 1..1000000");
+            chunk = int(x);
+        } else if (a == "--interval") {
+            if (!parse_number(v, x) || x < 1 || x > 1e6) return usage(argv[0], "--interval needs a count in 1..1000000");
+            interval = int(x);
         } else return usage(argv[0], "unknown option " + a);
     }
 
@@ -69,11 +91,33 @@ int main(int argc, char** argv) {
         return 1;
     }
 
+    method meth;
+    meth.name = "none";
+    if (evict_name == "restkv") meth = policy_method<kvevict::presets::restkv>("ReST-KV");
+    else if (evict_name == "snapkv") meth = policy_method<kvevict::presets::snapkv>("SnapKV");
+    else if (evict_name == "h2o") meth = policy_method<kvevict::presets::h2o>("H2O", kvevict::presets::h2o::defaults(), -1);
+    else if (evict_name == "streaming_llm") meth = policy_method<kvevict::presets::streaming_llm>("StreamingLLM", kvevict::presets::streaming_llm::defaults(), 0);
+    else if (!evict_name.empty() && evict_name != "none") return usage(argv[0], "--evict: unknown method '" + evict_name + "'");
+    const bool evicting = bool(meth.evict);
+    if (evicting && keep <= 0) return usage(argv[0], "--evict needs --keep");
+    if (!evicting && (keep > 0 || chunk > 0 || interval > 0)) return usage(argv[0], "--keep, --chunk and --interval need --evict");
+    session_options so;
+    so.prefill = !evicting ? prefill_mode::none : chunk > 0 ? prefill_mode::chunked : prefill_mode::one_shot;
+    so.chunk = chunk;
+    so.decode_interval = interval;
+    so.budget = keep >= 1 ? kvevict::budget_request::tokens(std::int32_t(keep)) : kvevict::budget_request::fraction(keep);
+    wo_factors wo;
+    if (evicting)
+        if (result r = wo.compute(m); !r) {
+            std::fprintf(stderr, "error: %s\n", r.error.c_str());
+            return 1;
+        }
+
     const std::vector<int> tokens = tok.encode(prompt);
-    kv_cache cache(m.cfg, int(tokens.size()) + steps);
+    eviction_session session(m, wo, meth, so, int(tokens.size()) + steps);
     std::vector<float> logits;
     const auto t0 = std::chrono::steady_clock::now();
-    if (result r = prefill(m, cache, tokens, logits); !r) {
+    if (result r = session.prefill(tokens, logits); !r) {
         std::fprintf(stderr, "error: %s\n", r.error.c_str());
         return 1;
     }
@@ -87,7 +131,7 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
         prev = next;
         if (++generated == steps) break;  // no need to run the last token
-        if (result r = forward(m, cache, next, logits); !r) {
+        if (result r = session.decode(next, logits); !r) {
             std::fprintf(stderr, "\nerror: %s\n", r.error.c_str());
             return 1;
         }
@@ -96,6 +140,14 @@ int main(int argc, char** argv) {
     std::printf("\n");
     std::fprintf(stderr, "[%zu prompt tokens, %d generated, %.1f tok/s]\n", tokens.size(), generated,
                  double(tokens.size() + size_t(generated)) / std::max(s, 1e-9));
+    if (evicting) {
+        const kv_cache& c = session.cache();
+        long kept = 0;
+        for (int l = 0; l < c.n_layers(); ++l)
+            for (int h = 0; h < c.n_kv_heads(); ++h) kept += c.length(l, h);
+        std::fprintf(stderr, "[%s: %d evictions, KV slots now %ld of %ld (all layers and heads), peak %d per head]\n", meth.name.c_str(),
+                     session.evictions(), kept, long(c.next_position) * c.n_layers() * c.n_kv_heads(), session.max_length_seen());
+    }
     if (int(tokens.size()) + generated > m.cfg.seq_len)
         std::fprintf(stderr, "note: ran past the model's training context (%d tokens)\n", m.cfg.seq_len);
     return 0;

@@ -252,6 +252,7 @@ TEST_CASE("session: decode-time cap keeps every head within budget + interval wh
     std::vector<float> logits;
     REQUIRE(s.prefill(prompt, logits));
     CHECK(s.evictions() == 1);  // the cap applies from the first generated token
+    s.reset_peak();
     int peak = 0;
     for (int i = 0; i < steps; ++i) {
         REQUIRE(s.decode(argmax(logits), logits));
@@ -259,6 +260,7 @@ TEST_CASE("session: decode-time cap keeps every head within budget + interval wh
             for (int h = 0; h < s.cache().n_kv_heads(); ++h) peak = std::max(peak, s.cache().length(l, h));
     }
     CHECK(peak <= budget + interval - 1);  // after decode() returns; inside it the peak is budget + interval
+    CHECK(s.max_length_seen() == budget + interval);  // right after the forward step that triggers an eviction
     CHECK(s.evictions() == 1 + steps / interval);
     CHECK(s.cache().next_position == n + steps);
     // the decode-time cap needs a token budget
