@@ -267,6 +267,101 @@ TEST_CASE("budgeters through the evictor: PyramidKV (integer and exact) and AdaK
   }
 }
 
+TEST_CASE("randomised configurations (shapes, lengths, sinks, recent rules, budgets, GQA, smoothing) vs reference") {
+  kvtest::rng r(4243);
+  int sets = 0, runs = 0;
+  for (int it = 0; it < 600; ++it) {
+    kvtest::shape s;
+    s.batch = r.integer(1, 2), s.kv_heads = r.integer(1, 3), s.group = r.integer(1, 3);
+    s.cap = r.integer(12, 60), s.d = 4 * r.integer(1, 4), s.window = r.integer(1, 8), s.hidden = 8 * r.integer(1, 4);
+    std::vector<std::int32_t> lens;
+    const bool layer_mean = r.uniform() < 0.15;
+    for (std::int64_t b = 0; b < s.batch; ++b) {
+      const auto Lb = static_cast<std::int32_t>(r.integer(0, s.cap));
+      for (std::int64_t h = 0; h < s.kv_heads; ++h)
+        lens.push_back(layer_mean ? Lb : static_cast<std::int32_t>(r.integer(s.window, s.cap)));
+    }
+    ref_config c;
+    c.num_sink = r.integer(0, 3);
+    const double u = r.uniform();
+    if (u < 0.2) c.num_recent = r.integer(0, s.window);
+    else if (u < 0.3) c.recent_share = 0.5;
+    const std::int64_t fixed_recent = c.recent_share >= 0 ? 0 : (c.num_recent >= 0 ? c.num_recent : s.window);
+    kv::budget_request budget;
+    if (r.uniform() < 0.7) {
+      budget = kv::budget_request::tokens(static_cast<std::int32_t>(c.num_sink + fixed_recent + r.integer(0, 20)));
+      if (budget.keep_tokens < 1) budget.keep_tokens = 1;
+      c.keep_tokens = budget.keep_tokens;
+    } else {
+      budget = kv::budget_request::fraction(r.uniform(0.05, 0.9));
+      c.keep_fraction = budget.keep_fraction;
+    }
+    const int g = layer_mean ? 3 : static_cast<int>(r.integer(0, 2));
+    const kv::gqa_reduction gq = static_cast<kv::gqa_reduction>(g);
+    c.gqa = static_cast<kvref::gqa_kind>(g);
+    kvtest::problem p = kvtest::make_problem(s, 5000 + static_cast<std::uint64_t>(it), 1.0, r.uniform(0.5, 3.0), 1.0, lens);
+    kvtest::stored<float> st;
+    kvtest::store(p, static_cast<layout>(r.integer(0, 3)), st);
+    CAPTURE(it);
+    CAPTURE(s.batch);
+    CAPTURE(s.kv_heads);
+    CAPTURE(s.group);
+    CAPTURE(s.cap);
+    CAPTURE(s.window);
+    CAPTURE(g);
+    CAPTURE(c.num_sink);
+    CAPTURE(c.num_recent);
+    CAPTURE(c.recent_share);
+    CAPTURE(budget.keep_tokens);
+    CAPTURE(budget.keep_fraction);
+    kvtest::lib_result lib;
+    if (r.uniform() < 0.6) {
+      auto prm = kv::presets::restkv::defaults();
+      prm.gqa = gq;
+      prm.selector.num_sink = static_cast<std::int32_t>(c.num_sink);
+      prm.selector.num_recent = static_cast<std::int32_t>(c.num_recent);
+      prm.selector.recent_share = static_cast<float>(c.recent_share);
+      prm.temporal.alpha = static_cast<float>(r.uniform(0.05, 1.0));
+      prm.spatial.beta = r.uniform() < 0.5 ? 2000.0f : static_cast<float>(r.uniform(0.5, 6.0));
+      prm.spatial.k_min = 1 + 2 * static_cast<int>(r.integer(0, 3));
+      prm.spatial.reference_exact = r.uniform() < 0.7;
+      prm.scorer.aggregation = r.uniform() < 0.3 ? kv::scorers::output_reconstruction::mode::before
+                                                 : kv::scorers::output_reconstruction::mode::after;
+      prm.scorer.use_wo = r.uniform() < 0.7;
+      prm.scorer.include_window_in_output = r.uniform() < 0.3;
+      c.scorer = scorer_kind::lor, c.temporal = kvref::temporal_kind::ema, c.alpha = static_cast<double>(prm.temporal.alpha);
+      c.spatial = spatial_kind::adaptive, c.beta = static_cast<double>(prm.spatial.beta), c.k_min = prm.spatial.k_min;
+      c.reference_exact = prm.spatial.reference_exact;
+      c.before = prm.scorer.aggregation == kv::scorers::output_reconstruction::mode::before;
+      c.use_wo = prm.scorer.use_wo;
+      c.include_window = prm.scorer.include_window_in_output;
+      c.eval = kvref::lor_eval::exact;
+      CAPTURE(prm.temporal.alpha);
+      CAPTURE(prm.spatial.beta);
+      CAPTURE(c.before);
+      CAPTURE(c.use_wo);
+      CAPTURE(c.include_window);
+      lib = kvtest::run_lib(kv::evictor<kv::presets::restkv, kv::cpu::backend>(prm), st.in, budget);
+    } else {
+      auto prm = kv::presets::snapkv::defaults();
+      prm.gqa = gq;
+      prm.selector.num_sink = static_cast<std::int32_t>(c.num_sink);
+      prm.selector.num_recent = static_cast<std::int32_t>(c.num_recent);
+      prm.selector.recent_share = static_cast<float>(c.recent_share);
+      prm.spatial.kernel = 1 + 2 * static_cast<int>(r.integer(0, 4));
+      c.scorer = scorer_kind::attention_weight, c.temporal = kvref::temporal_kind::sum;
+      c.spatial = spatial_kind::avg_pool, c.kernel = prm.spatial.kernel;
+      lib = kvtest::run_lib(kv::evictor<kv::presets::snapkv, kv::cpu::backend>(prm), st.in, budget);
+    }
+    REQUIRE_MESSAGE(lib.st.ok(), lib.st.message());
+    ++runs;
+    const std::string diff = kvtest::compare(lib, kvtest::reference_run(p, c), kvtest::score_rtol, kvtest::score_atol, &sets);
+    CHECK_MESSAGE(diff.empty(), diff);
+  }
+  MESSAGE("randomised configurations: " << runs << " runs, " << sets << " heads compared as exact sets");
+  CHECK(sets > 60);
+}
+
 // ---- GQA ----------------------------------------------------------------------------------
 
 TEST_CASE_TEMPLATE("GQA: mean / max / per-query-head / layer-mean vs reference; the cache keeps kv_heads heads", T, float,

@@ -298,6 +298,42 @@ TEST_CASE_TEMPLATE("dominant token (logit gap 40 and 150): finite, ranked first,
     }
 }
 
+TEST_CASE("dominant WINDOW token left out of z (fewer recent tokens protected than the window) matches fp64") {
+  // Regression: the exact dominant-token path assumed v_n0 is part of z; for a window token
+  // (n0 >= L - w, not in z unless include_window_in_output) it returned a ||R(z_-n - v)||
+  // instead of a / (1 - a) ||R(z - v)||.
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 1, s.group = 2, s.cap = 24, s.d = 8, s.window = 1, s.hidden = 16;
+  for (double gap : {20.0, 40.0}) {
+    for (bool use_wo : {false, true}) {
+      CAPTURE(gap);
+      CAPTURE(use_wo);
+      kvtest::problem p = dominant_problem<float>(s, s.cap - 1, gap, 2450);  // the query's own token
+      kvtest::stored<float> st;
+      kvtest::store(p, layout::nhd, st);
+      auto params = lor_params(false, use_wo, false);
+      params.selector.num_recent = 0;
+      params.gqa = kv::gqa_reduction::per_query_head;
+      kv::evictor<lor_plain, kv::cpu::backend> ev(params);
+      auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(5));
+      REQUIRE(lib.st.ok());
+      auto c = lor_cfg(false, use_wo, false, kvref::lor_eval::exact);
+      c.gqa = kvref::gqa_kind::per_query_head;
+      c.num_recent = 0;
+      c.keep_tokens = 5;
+      const auto ref = kvtest::reference_run(p, c);
+      const std::string diff = kvtest::compare(lib, ref);
+      CHECK_MESSAGE(diff.empty(), diff);
+      for (std::int64_t r = 0; r < lib.rows; ++r) {
+        const double want = ref[static_cast<std::size_t>(r)].scores[static_cast<std::size_t>(s.cap - 1)];
+        CHECK(std::isfinite(want));
+        CHECK(static_cast<double>(lib.row_scores(r)[s.cap - 1]) == doctest::Approx(want).epsilon(1e-4));
+        CHECK(lib.kept(r).back() == s.cap - 1);
+      }
+    }
+  }
+}
+
 TEST_CASE("dominant token through the full ReST-KV preset: kept, finite scores, no NaN spread by smoothing") {
   kvtest::shape s;
   s.batch = 1, s.kv_heads = 1, s.group = 4, s.cap = 64, s.d = 16, s.window = 8, s.hidden = 64;
