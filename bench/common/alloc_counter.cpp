@@ -5,12 +5,13 @@
 #include <cerrno>
 #include <cstddef>
 
+// Sanitizers that own malloc (ASan, TSan, MSan) turn the counter off.
 #if defined(__has_feature)
-#if __has_feature(address_sanitizer)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
 #define KVEVICT_BENCH_NO_HOOK 1
 #endif
 #endif
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define KVEVICT_BENCH_NO_HOOK 1
 #endif
 

@@ -15,7 +15,7 @@
 //   std::int64_t extra = kvevict_bench::alloc_counter::peak_extra();  // max(live) - baseline
 //
 // Not available (available() == false, every query returns 0) off glibc and under
-// AddressSanitizer, which owns malloc itself.
+// Address/Thread/MemorySanitizer, which own malloc themselves.
 #pragma once
 
 #include <cstdint>

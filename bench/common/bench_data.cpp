@@ -142,7 +142,7 @@ void register_seq(const char* name, void (*fn)(benchmark::State&), const std::ve
                   iters_fn iters) {
   for (const std::int64_t L : seq_lens) {
     auto* b = benchmark::RegisterBenchmark(name, fn);
-    b->Arg(L)->ArgName("L")->UseRealTime()->Unit(benchmark::kMillisecond);
+    b->Arg(L)->ArgName("L")->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
     const int n = iters ? iters(L) : 0;
     if (n > 0) b->Iterations(n);
   }

@@ -78,8 +78,9 @@ void set_cost(benchmark::State& st, double tokens, double bytes, double flops);
 inline const std::vector<std::int64_t> kSeqLens = {1024, 4096, 16384, 32768};
 inline const std::vector<std::int64_t> kSeqLensWith8k = {1024, 4096, 8192, 16384, 32768};
 
-/// Register `fn` once per L as "<name>/L:<L>[/iterations:n]/real_time" (state.range(0) = L),
-/// wall-clock time, milliseconds. `iters(L)` > 0 fixes the iteration count for that L (fewer
+/// Register `fn` once per L as "<name>/L:<L>[/iterations:n]/process_time/real_time"
+/// (state.range(0) = L), milliseconds; real_time = wall clock, cpu_time = CPU time of the
+/// whole process (all threads; run with OMP_WAIT_POLICY=passive so idle threads do not spin). `iters(L)` > 0 fixes the iteration count for that L (fewer
 /// repetitions for the long runs); 0 leaves it to --benchmark_min_time. iters may be null.
 using iters_fn = int (*)(std::int64_t L);
 void register_seq(const char* name, void (*fn)(benchmark::State&), const std::vector<std::int64_t>& seq_lens,
