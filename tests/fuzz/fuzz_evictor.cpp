@@ -49,6 +49,13 @@ struct reader {
   std::int64_t range(std::int64_t lo, std::int64_t hi) { return lo + static_cast<std::int64_t>(u8()) % (hi - lo + 1); }
 };
 
+/// KVEVICT_FUZZ_VERBOSE=1: print what each input did (error message or kept/total), e.g. to
+/// check that a corpus reaches valid results: fuzz_evictor -runs=0 tests/fuzz/corpus.
+bool verbose() {
+  static const bool v = std::getenv("KVEVICT_FUZZ_VERBOSE") != nullptr;
+  return v;
+}
+
 [[noreturn]] void die(const char* what, const char* detail) {
   std::fprintf(stderr, "kvevict fuzz invariant violated: %s %s\n", what, detail ? detail : "");
   std::abort();
@@ -261,6 +268,7 @@ void run_case(reader& r) {
     const kvevict::status st2 = ev.run(pr.in, budget, o.view(), o.ws.get(), o.ws_bytes, o.scores.get());
     FUZZ_ASSERT(st2.code() == st.code(), st2.message());
     for (std::int64_t i = 0; i <= o.rows; ++i) FUZZ_ASSERT(o.indptr[static_cast<std::size_t>(i)] == -9, msg);
+    if (verbose()) std::fprintf(stderr, "[%s %s] %s\n", preset_name<P>().c_str(), type_name<T>().c_str(), msg);
     return;
   }
   FUZZ_ASSERT(cap >= 0, "max_selected < 0 after can_implement ok");
@@ -275,6 +283,7 @@ void run_case(reader& r) {
     FUZZ_ASSERT(rs.code() == kvevict::errc::non_finite_input, rs.message());
     FUZZ_ASSERT(expect_nonfinite, rs.message());
     for (std::int64_t i = 0; i <= rows; ++i) FUZZ_ASSERT(o.indptr[static_cast<std::size_t>(i)] == -9, "output written on error");
+    if (verbose()) std::fprintf(stderr, "[%s %s] run: %s\n", preset_name<P>().c_str(), type_name<T>().c_str(), rs.message());
     return;
   }
   FUZZ_ASSERT(!expect_nonfinite, "non-finite valid input accepted with check_finite on");
@@ -290,6 +299,14 @@ void run_case(reader& r) {
   res.scores.assign(o.scores.get(), o.scores.get() + rows * s.S);
   const std::string bad = check_contract(ev, pr, res, budget);
   FUZZ_ASSERT(bad.empty(), bad.c_str());
+  if (verbose()) {
+    std::int64_t valid = 0;
+    for (std::int64_t b = 0; b < s.B; ++b)
+      for (std::int64_t h = 0; h < s.Hkv; ++h) valid += pr.length(b, h) * (rows / (s.B * s.Hkv));
+    std::fprintf(stderr, "[%s %s] ok: kept %lld of %lld (rows %lld, S %lld, W %lld)\n", preset_name<P>().c_str(),
+                 type_name<T>().c_str(), static_cast<long long>(cap), static_cast<long long>(valid),
+                 static_cast<long long>(rows), static_cast<long long>(s.S), static_cast<long long>(pr.in.window()));
+  }
 
   // Determinism: other garbage in the workspace, another thread count, the same bytes.
   const ev_t ev2(params, kvevict::cpu::backend{threads == 1 ? 2 : 1});
