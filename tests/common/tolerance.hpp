@@ -27,8 +27,7 @@ inline bool close(double lib, double ref, double rtol, double atol) {
 /// Index of the first mismatch of lib vs ref over [lo, hi), -1 if none. worst receives the
 /// largest |lib - ref| / (rtol |ref| + atol scale).
 inline std::int64_t first_mismatch(const float* lib, const std::vector<double>& ref, std::int64_t lo, std::int64_t hi,
-                                   double rtol, double atol_rel, double* worst = nullptr) {
-  double scale = 0.0;
+                                   double rtol, double atol_rel, double* worst = nullptr, double scale = 0.0) {
   for (std::int64_t i = lo; i < hi; ++i) scale = std::max(scale, std::fabs(ref[static_cast<std::size_t>(i)]));
   const double atol = atol_rel * scale + 1e-30;
   std::int64_t bad = -1;
@@ -51,10 +50,11 @@ struct selection_check {
 };
 
 /// `lib_kept` and `ref_kept`: kept candidate slots (any order) out of candidates [c0, c1) with
-/// reference scores `ref` (indexed by slot). k = number of candidates kept.
+/// reference scores `ref` (indexed by slot). k = number of candidates kept. `scale` (optional)
+/// raises the scale of the absolute tolerance (e.g. to the largest score of the whole row).
 inline selection_check compare_kept_candidates(std::vector<std::int32_t> lib_kept, std::vector<std::int32_t> ref_kept,
                                                const std::vector<double>& ref, std::int64_t c0, std::int64_t c1,
-                                               double rtol, double atol_rel) {
+                                               double rtol, double atol_rel, double scale = 0.0) {
   selection_check out;
   std::sort(lib_kept.begin(), lib_kept.end());
   std::sort(ref_kept.begin(), ref_kept.end());
@@ -65,7 +65,6 @@ inline selection_check compare_kept_candidates(std::vector<std::int32_t> lib_kep
   }
   const std::size_t k = ref_kept.size();
   std::vector<double> s;
-  double scale = 0.0;
   for (std::int64_t i = c0; i < c1; ++i) {
     s.push_back(ref[static_cast<std::size_t>(i)]);
     scale = std::max(scale, std::fabs(ref[static_cast<std::size_t>(i)]));
