@@ -418,3 +418,80 @@ TEST_CASE("DONE WHEN: ReST-KV published config selects the same tokens as a stra
                                           "by kept-score sums)");
   CHECK(sets * 10 >= rows * 8);
 }
+
+// ---- randomised policies ------------------------------------------------------------------
+
+namespace {
+using aw_max = kv::eviction_policy<kv::scorers::attention_weight, kv::temporal::ema, kv::spatial::max_pool>;
+using aw_aws_ada = kv::eviction_policy<kv::scorers::attention_weight, kv::temporal::reversed_ema, kv::spatial::adaptive_window, kv::budgeters::adakv>;
+using lor_pyr = kv::eviction_policy<kv::scorers::output_reconstruction, kv::temporal::ema, kv::spatial::avg_pool, kv::budgeters::pyramid>;
+template <class T>
+int random_run(kvtest::rng& r, int it, int* sets_out) {
+  kvtest::shape s;
+  s.batch = r.integer(1, 3), s.kv_heads = r.integer(1, 3), s.group = r.integer(1, 3);
+  s.cap = r.integer(8, 50), s.d = 4 * r.integer(1, 3), s.window = r.integer(1, 6), s.hidden = 8 * r.integer(1, 3);
+  int pol = (int)r.integer(0, 5);
+  if (pol == 3) s.window = s.cap;  // h2o
+  std::vector<std::int32_t> lens;
+  for (std::int64_t b = 0; b < s.batch; ++b) { auto Lb = (std::int32_t)r.integer(pol==3 ? s.cap : 0, s.cap); for (std::int64_t h = 0; h < s.kv_heads; ++h) lens.push_back(Lb); }
+  ref_config c;
+  c.num_sink = r.integer(0, 2);
+  double u = r.uniform();
+  if (u < 0.25) c.num_recent = r.integer(0, s.window); else if (u < 0.35 || pol == 3) c.recent_share = 0.5;
+  std::int64_t fixed = c.recent_share >= 0 ? 0 : (c.num_recent >= 0 ? c.num_recent : s.window);
+  kv::budget_request budget;
+  if (r.uniform() < 0.7) { budget = kv::budget_request::tokens((std::int32_t)std::max<std::int64_t>(1, c.num_sink + fixed + r.integer(0, 15))); c.keep_tokens = budget.keep_tokens; }
+  else { budget = kv::budget_request::fraction(r.uniform(0.05, 0.9)); c.keep_fraction = budget.keep_fraction; }
+  int g = (int)r.integer(0, 3); if (pol == 4) g = (int)r.integer(0,1)*2; // key_norm: mean or pqh
+  c.gqa = (kvref::gqa_kind)g;
+  double big = (r.uniform() < 0.2 && pol != 1) ? 30.0 : 1.0;
+  kvtest::problem p = kvtest::make_problem(s, 9000 + static_cast<std::uint64_t>(it), big, r.uniform(0.5, 3.0), 1.0, lens);
+  kvtest::quantize<T>(p);
+  kvtest::stored<T> st; kvtest::store(p, (layout)r.integer(0, 3), st);
+  int layer = (int)r.integer(0, 5); st.in.layer_idx = layer; st.in.num_layers = 6;
+  auto setsel = [&](auto& prm) { prm.gqa = (kv::gqa_reduction)g; prm.selector.num_sink = (std::int32_t)c.num_sink; prm.selector.num_recent = (std::int32_t)c.num_recent; prm.selector.recent_share = (float)c.recent_share; };
+  kvtest::lib_result lib;
+  if (pol == 0) { auto prm = aw_max::defaults(); setsel(prm); prm.temporal.alpha = (float)r.uniform(0.05,1); prm.spatial.kernel = 1+2*(int)r.integer(0,3);
+    c.scorer = scorer_kind::attention_weight; c.temporal = kvref::temporal_kind::ema; c.alpha = (double)prm.temporal.alpha; c.spatial = spatial_kind::max_pool; c.kernel = prm.spatial.kernel;
+    lib = kvtest::run_lib(kv::evictor<aw_max, kv::cpu::backend>(prm), st.in, budget); }
+  else if (pol == 1) { auto prm = aw_aws_ada::defaults(); setsel(prm); prm.temporal.alpha = (float)r.uniform(0.05,1); prm.spatial.beta = (float)r.uniform(0.5, 5); prm.budgeter.alpha = (float)r.uniform();
+    c.scorer = scorer_kind::attention_weight; c.temporal = kvref::temporal_kind::reversed_ema; c.alpha = (double)prm.temporal.alpha; c.spatial = spatial_kind::adaptive; c.beta = prm.spatial.beta; c.budgeter = kvtest::budget_kind::adakv; c.adakv_alpha = prm.budgeter.alpha;
+    lib = kvtest::run_lib(kv::evictor<aw_aws_ada, kv::cpu::backend>(prm), st.in, budget); }
+  else if (pol == 2) { auto prm = lor_pyr::defaults(); setsel(prm); prm.budgeter.exact_total = false; prm.scorer.tau = r.uniform() < 0.5 ? 1.0f : 2.0f; prm.scorer.aggregation = r.uniform()<0.5 ? kv::scorers::output_reconstruction::mode::before : kv::scorers::output_reconstruction::mode::after; prm.scorer.use_wo = r.uniform() < 0.5; prm.scorer.include_window_in_output = r.uniform() < 0.5;
+    c.scorer = scorer_kind::lor; c.temporal = kvref::temporal_kind::ema; c.alpha = (double)0.3f; c.spatial = spatial_kind::avg_pool; c.kernel = 5; c.budgeter = kvtest::budget_kind::pyramid; c.pyramid_exact = false; c.layer = layer; c.num_layers = 6; c.tau = prm.scorer.tau; c.before = prm.scorer.aggregation == kv::scorers::output_reconstruction::mode::before; c.use_wo = prm.scorer.use_wo; c.include_window = prm.scorer.include_window_in_output; c.eval = kvref::lor_eval::exact;
+    lib = kvtest::run_lib(kv::evictor<lor_pyr, kv::cpu::backend>(prm), st.in, budget); }
+  else if (pol == 3) { auto prm = kv::presets::h2o::defaults(); setsel(prm); prm.scorer.normalize_by_visible = r.uniform() < 0.5;
+    c.scorer = scorer_kind::accumulated; c.normalize_visible = prm.scorer.normalize_by_visible;
+    lib = kvtest::run_lib(kv::evictor<kv::presets::h2o, kv::cpu::backend>(prm), st.in, budget); }
+  else if (pol == 4) { auto prm = kv::presets::key_norm::defaults(); setsel(prm); c.scorer = scorer_kind::key_norm;
+    lib = kvtest::run_lib(kv::evictor<kv::presets::key_norm, kv::cpu::backend>(prm), st.in, budget); }
+  else { auto prm = kv::presets::tova::defaults(); setsel(prm); prm.gqa = kv::gqa_reduction::layer_mean; c.gqa = kvref::gqa_kind::layer_mean; c.scorer = scorer_kind::last_query; c.temporal = kvref::temporal_kind::last;
+    lib = kvtest::run_lib(kv::evictor<kv::presets::tova, kv::cpu::backend>(prm), st.in, budget); }
+  if (!lib.st.ok()) {
+    FAIL_CHECK("it " << it << " pol " << pol << ": " << lib.st.message());
+    return 1;
+  }
+  int sets = 0;
+  std::string diff = kvtest::compare(lib, kvtest::reference_run(p, c), big > 1 ? 1e-3 : 1e-4, big > 1 ? 1e-5 : 2e-6, &sets);
+  *sets_out += sets;
+  if (!diff.empty()) {
+    FAIL_CHECK("it " << it << " policy " << pol << " type " << kv::to_string(kv::dtype_of<T>::value) << " scale " << big << " gqa " << g
+                     << " W " << s.window << " cap " << s.cap << " sinks " << c.num_sink << " num_recent " << c.num_recent
+                     << " recent_share " << c.recent_share << " tokens " << budget.keep_tokens << " fraction "
+                     << budget.keep_fraction << ": " << diff);
+    return 1;
+  }
+  return 0;
+}
+}  // namespace
+
+TEST_CASE("randomised policies (max pool, AWS + AdaKV, LOR + pyramid, H2O, key norm, TOVA; fp32/bf16) vs reference") {
+  kvtest::rng r(77);
+  int fails = 0, sets = 0;
+  const int n = 150;
+  for (int it = 0; it < n; ++it)
+    fails += r.uniform() < 0.5 ? random_run<float>(r, it, &sets) : random_run<bfloat16_t>(r, it, &sets);
+  MESSAGE("randomised policies: " << n << " runs, " << sets << " heads compared as exact sets, " << fails << " failures");
+  CHECK(fails == 0);
+  CHECK(sets > 100);
+}
