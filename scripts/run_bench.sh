@@ -38,6 +38,9 @@ if [[ -z "$JSON" ]]; then
   echo "benchmarks took $(( $(date +%s) - T0 )) s"
 fi
 LOAD_AFTER="$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo n/a)"
+if [[ -n "${KVEVICT_BENCH_JSON:-}" ]]; then  # report re-rendered from a saved run
+  LOAD_BEFORE="n/a (re-rendered from a saved JSON)"; LOAD_AFTER="n/a"
+fi
 
 export KB_JSON="$JSON" KB_DOC="$DOC" KB_LOAD_BEFORE="$LOAD_BEFORE" KB_LOAD_AFTER="$LOAD_AFTER"
 export KB_CPU="$(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
@@ -104,7 +107,7 @@ def si(x, unit=""):
 def mib(x): return f"{x / 2**20:,.1f} MiB"
 
 out = []
-now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+now = ctx.get("date") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 out.append(f"Measured {now} on **{os.environ.get('KB_CPU') or 'unknown CPU'}**, "
            f"{os.environ['KB_CORES']} cores, kvevict threads = {ctx.get('kvevict_threads', '?')}, "
            f"Eigen SIMD: {ctx.get('eigen_simd', '?')}; compiler: {os.environ.get('KB_CXX', '').strip() or 'n/a'} "
