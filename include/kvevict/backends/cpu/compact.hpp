@@ -61,7 +61,8 @@ inline bool spans_overlap(std::uintptr_t a0, std::uintptr_t a1, std::uintptr_t b
 ///  - In place: dst may alias src exactly (same data and strides) when out_heads ==
 ///    src.extent[1]: kept indices are ascending, so row i is moved down from indices[i] >= i.
 /// Errors: shape mismatch, null pointers, a row longer than dst's seq extent, indices out of
-/// range or not ascending, a partial overlap of src and dst. Storage type: any T (copied as is).
+/// range or not ascending, a partial overlap of src and dst (by address range: two views
+/// interleaved in one buffer count as overlapping). Storage type: any T (copied as is).
 template <class T>
 [[nodiscard]] status compact(kv_view<const T> src, const_selection_view sel, kv_view<T> dst) {
   if (!src.data || !dst.data) return status::error(errc::null_pointer, "compact: src.data or dst.data is null");
