@@ -62,14 +62,24 @@ struct pyramid {
       std::int64_t v = mx - layer * step;
       return v < 0 ? 0 : (v > C ? C : v);
     }
-    // Exact: largest remainder over the real schedule of all layers (n <= 1024 layers).
-    double shares[1024];
-    std::int64_t out[1024];
-    const int n = num_layers < 1024 ? num_layers : 1024;
-    const double delta = static_cast<double>(mx - mn) / (n - 1);
-    for (int l = 0; l < n; ++l) shares[l] = static_cast<double>(mx) - l * delta;
-    detail::apportion(shares, nullptr, n, P * n, out);
-    std::int64_t v = out[layer < n ? layer : n - 1];
+    // Exact: largest remainder over the real schedule v_l = mx - l (mx - mn) / (n - 1), in
+    // integer arithmetic (numerators over n - 1) so equal remainders tie exactly and go to the
+    // lower layer. The n values sum to n * P because mx + mn = 2P.
+    const std::int64_t den = num_layers - 1;
+    const std::int64_t span = mx - mn;
+    std::int64_t floor_sum = 0;
+    for (int l = 0; l < num_layers; ++l) floor_sum += (mx * den - l * span) / den;
+    std::int64_t deficit = P * num_layers - floor_sum;  // units handed out by largest remainder
+    const std::int64_t my_num = mx * den - static_cast<std::int64_t>(layer) * span;
+    std::int64_t v = my_num / den;
+    const std::int64_t my_rem = my_num % den;
+    // Rank of this layer among all layers by (remainder desc, layer asc).
+    std::int64_t rank = 0;
+    for (int l = 0; l < num_layers; ++l) {
+      const std::int64_t rem = (mx * den - l * span) % den;
+      if (rem > my_rem || (rem == my_rem && l < layer)) ++rank;
+    }
+    if (deficit > 0 && rank < deficit) v += 1;
     return v < 0 ? 0 : (v > C ? C : v);
   }
   KVEVICT_HOST_DEVICE static std::int64_t head_budget(const params& p, const detail::head_plan& h, int layer,
