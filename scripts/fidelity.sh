@@ -19,6 +19,7 @@ for a in "$@"; do
   if [[ $a == --update-docs ]]; then update_docs=1; else args+=("$a"); fi
 done
 
+"$root/scripts/setup.sh" main
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=OFF -DKVEVICT_BUILD_TESTS=OFF \
   -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_EXAMPLES=ON >/dev/null
 cmake --build "$build" -j"${JOBS:-2}" --target kvevict_fidelity

@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # Install what kvevict's build, tests and main job need, from Debian's archive (idempotent).
 # Needs root (or sudo). Skips apt-get when everything is already installed.
+#   scripts/setup.sh        everything: build, tests (doctest, PyTorch for the LKV smoke training,
+#                           clang for the fuzzer), benchmarks
+#   scripts/setup.sh main   only what the main job (scripts/fidelity.sh) needs
 set -euo pipefail
-pkgs=(cmake make g++ libeigen3-dev doctest-dev libbenchmark-dev python3 python3-torch python3-matplotlib python3-numpy
-      clang libclang-rt-14-dev)
+if [ "${1:-all}" = main ]; then
+  pkgs=(cmake make g++ libeigen3-dev python3 python3-matplotlib)
+else
+  pkgs=(cmake make g++ libeigen3-dev doctest-dev libbenchmark-dev python3 python3-torch python3-matplotlib python3-numpy
+        clang libclang-rt-14-dev)
+fi
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
