@@ -243,7 +243,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
         if (want_drift) {
           for (std::int64_t r = 0; r < rb; ++r) {
             const std::int64_t j = j0 + r;
-            const double mi = topk_mean_index(s.probs + r * L, L - w + j + 1, job.drift_topk, s.idx);
+            const double mi = topk_mean_index(s.probs + r * L, L - w + j + 1, job.drift_topk, s.rowtmp);
             if (j < w / 2) {
               d_front += mi;
               ++n_front;

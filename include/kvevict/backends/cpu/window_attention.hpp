@@ -42,12 +42,8 @@ inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, 
     float* l = logits + r * L;
     float* p = probs + r * L;
     for (std::int64_t n = vis; n < L; ++n) l[n] = ninf;
-    bool finite = true;
-    for (std::int64_t n = 0; n < vis; ++n)
-      if (!(std::fabs(l[n]) <= std::numeric_limits<float>::max())) {
-        finite = false;
-        break;
-      }
+    // x - x == 0 exactly when x is finite: one vectorised pass instead of a branchy scan.
+    const bool finite = ((Eigen::Map<const Eigen::ArrayXf>(l, vis) - Eigen::Map<const Eigen::ArrayXf>(l, vis)) == 0.0f).all();
     if (!finite) {  // fp64 recompute, stored relative to the row max
       auto dot = [&](std::int64_t n) {
         double acc = 0.0;
@@ -61,13 +57,9 @@ inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, 
         l[n] = rel < -3.0e38 ? -3.0e38f : static_cast<float>(rel);
       }
     }
-    std::int64_t am = 0;
-    float mx = l[0];
-    for (std::int64_t n = 1; n < vis; ++n)
-      if (l[n] > mx) {
-        mx = l[n];
-        am = n;
-      }
+    // Row maximum (vectorised), then its first occurrence: the argmax, lowest index on ties.
+    const float mx = Eigen::Map<const Eigen::ArrayXf>(l, vis).maxCoeff();
+    const std::int64_t am = std::find(l, l + vis, mx) - l;
     Eigen::Map<Eigen::ArrayXf> pa(p, vis);
     pa = (Eigen::Map<const Eigen::ArrayXf>(l, vis) - mx).exp();
     p[am] = 0.0f;
@@ -83,16 +75,30 @@ inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, 
   }
 }
 
-/// Mean index of the top-K entries (value desc, index asc) of p[0, n). idx: n int32 scratch.
-inline double topk_mean_index(const float* p, std::int64_t n, std::int64_t K, std::int32_t* idx) {
+/// Mean index of the top-K entries (value desc, index asc) of p[0, n): a value selection
+/// (nth_element on a contiguous copy, O(n)) gives the K-th largest value t, then one pass sums
+/// the indices above t and the lowest-index entries equal to t. p must hold no NaN (softmax
+/// probabilities). vals: n floats of scratch.
+inline double topk_mean_index(const float* p, std::int64_t n, std::int64_t K, float* vals) {
   if (n <= 0) return 0.0;
   if (K > n) K = n;
   if (K < 1) K = 1;
-  for (std::int64_t i = 0; i < n; ++i) idx[i] = static_cast<std::int32_t>(i);
-  auto better = [p](std::int32_t a, std::int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); };
-  if (K < n) std::nth_element(idx, idx + (K - 1), idx + n, better);
+  if (K == n) return static_cast<double>(n - 1) / 2.0;
+  std::copy(p, p + n, vals);
+  std::nth_element(vals, vals + (K - 1), vals + n, [](float a, float b) { return a > b; });
+  const float t = vals[K - 1];
   double s = 0.0;
-  for (std::int64_t i = 0; i < K; ++i) s += idx[i];
+  std::int64_t above = 0;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (p[i] > t) {
+      s += static_cast<double>(i);
+      ++above;
+    }
+  for (std::int64_t i = 0, need = K - above; i < n && need > 0; ++i)
+    if (p[i] == t) {
+      s += static_cast<double>(i);
+      --need;
+    }
   return s / static_cast<double>(K);
 }
 
