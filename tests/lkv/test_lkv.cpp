@@ -364,7 +364,11 @@ TEST_CASE("learned policies: parameter and shape errors name the parameter") {
     CHECK(std::string(ev.can_implement(in, b).message()).find("budgeter.temperature") != std::string::npos);
   }
   {
+    // A 3-layer table (the params' pointer must hold num_layers * kv_heads logits) used on a
+    // 2-layer model: the shapes disagree with the inputs.
+    std::vector<float> logits3(static_cast<std::size_t>(3 * p.budgeter.kv_heads), 0.0f);
     auto q = p;
+    q.budgeter.logits = logits3.data();
     q.budgeter.num_layers = 3;
     q.scorer.num_layers = 3;
     kvevict::evictor<kvevict::lkv::full, kvevict::cpu::backend> ev(q);

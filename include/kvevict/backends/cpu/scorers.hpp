@@ -49,7 +49,7 @@ struct has_cpu_hook<S, std::void_t<decltype(S::score_kv_head(std::declval<const 
 struct head_scratch {
   float* kbuf = nullptr;   // cap x d
   float* vbuf = nullptr;   // cap x d
-  float* ybuf = nullptr;   // cap x d   (V R^T)
+  float* ybuf = nullptr;   // cap x (G d)   (V [R_1 .. R_G]^T, one GEMM per GQA group)
   float* qbuf = nullptr;   // G * w x d (staged queries)
   float* logits = nullptr; // rb x cap
   float* probs = nullptr;  // rb x cap
@@ -69,7 +69,7 @@ struct head_scratch {
     const std::size_t n = static_cast<std::size_t>(cap);
     kbuf = c.template carve<float>(n * d);
     vbuf = c.template carve<float>(n * d);
-    ybuf = c.template carve<float>(n * d);
+    ybuf = c.template carve<float>(n * d * static_cast<std::size_t>(std::max<std::int64_t>(G, 1)));
     qbuf = c.template carve<float>(static_cast<std::size_t>(G * std::max<std::int64_t>(w, 1) * d));
     logits = c.template carve<float>(rb * n);
     probs = c.template carve<float>(rb * n);
@@ -194,6 +194,24 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
     }();
     const double out_scale = std::pow(static_cast<double>(vscale), static_cast<double>(tau));
 
+    // Value projections of the whole GQA group in one GEMM: Y_all = V [R_1; ..; R_G]^T, an
+    // L x (G d) matrix whose columns [g d, g d + d) are Y_g = V R_g^T (V is packed once, not G
+    // times). In value space Y = V for every head.
+    std::int64_t y_stride = d;
+    if constexpr (is_lor) {
+      if (P.scorer.use_wo) {
+        Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rcat(G * d, d);
+        for (std::int64_t g = 0; g < G; ++g)
+          for (std::int64_t r = 0; r < d; ++r)
+            for (std::int64_t c = 0; c < d; ++c) rcat(g * d + r, c) = in.wo_factor(h * G + g, r, c);
+        y_stride = G * d;
+        map_rm Yall(s.ybuf, L, G * d, Eigen::OuterStride<>(G * d));
+        Yall.noalias() = V * rcat.transpose();
+      } else {
+        map_rm(s.ybuf, L, d, Eigen::OuterStride<>(d)) = V;
+      }
+    }
+
     for (std::int64_t g = 0; g < G; ++g) {
       const std::int64_t hq = h * G + g;
       float* out = rows + g * L;
@@ -218,15 +236,11 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
         for (std::int64_t r = 0; r < d; ++r)
           for (std::int64_t c = 0; c < d; ++c) R(r, c) = in.wo_factor(hq, r, c);
       }
-      map_rm Y(s.ybuf, L, d, Eigen::OuterStride<>(d));
+      map_rm Y(s.ybuf + (y_stride == d ? 0 : g * d), L, d, Eigen::OuterStride<>(y_stride));
       const bool before = [&] {
         if constexpr (is_lor) return P.scorer.aggregation == scorers::output_reconstruction::mode::before;
         return false;
       }();
-      if constexpr (is_lor) {
-        if (use_r) Y.noalias() = V * R.transpose();
-        else Y = V;
-      }
       Eigen::VectorXf ynorm2;
       if (before) ynorm2 = Y.rowwise().squaredNorm();
       vec_map acc(s.acc, L);
@@ -334,11 +348,11 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
           for (std::int64_t n0 = 0; n0 < L; n0 += tok_block) {
             const std::int64_t nb = std::min(tok_block, L - n0);
             double d2[tok_block] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-            const float* yb = s.ybuf + n0 * d;
+            const float* yb = Y.data() + n0 * y_stride;
             for (std::int64_t c = 0; c < d; ++c) {
               const float zc = rz[c];
               for (std::int64_t t = 0; t < nb; ++t) {
-                const double e = static_cast<double>(zc - yb[t * d + c]);
+                const double e = static_cast<double>(zc - yb[t * y_stride + c]);
                 const double sq = e * e;  // separate statement: contracts like Eigen's abs2 + sum
                 d2[t] += sq;
               }
