@@ -47,7 +47,7 @@ struct layer_inputs {
   std::int64_t head_dim() const { return keys.extent[3]; }
   std::int64_t q_heads() const { return queries.data ? queries.extent[1] : keys.extent[1]; }
   std::int64_t window() const { return queries.data ? queries.extent[2] : 0; }
-  std::int64_t group_size() const { return q_heads() / kv_heads(); }
+  std::int64_t group_size() const { return kv_heads() > 0 ? q_heads() / kv_heads() : 0; }
   std::int64_t length(std::int64_t b, std::int64_t h) const { return length_at(lengths, capacity(), b, h); }
 };
 

@@ -182,7 +182,13 @@ inline status parse_lkv_artifact(const unsigned char* data, std::size_t n, lkv_a
     return status::error(errc::format_error, "LKV artifact '%s': keep ratios [%g, %g] must satisfy 0 < min <= max <= 1", name,
                          static_cast<double>(a.keep_ratio_min), static_cast<double>(a.keep_ratio_max));
   const std::uint64_t N = static_cast<std::uint64_t>(a.num_layers) * static_cast<std::uint64_t>(a.kv_heads);
-  const std::uint64_t want = N + N * static_cast<std::uint64_t>(a.block());
+  // Bound the products by what the file can hold before multiplying (no u64 wrap-around).
+  const std::uint64_t max_floats = n > lkv_header_bytes ? (n - lkv_header_bytes) / 4 : 0;
+  const std::uint64_t blk = static_cast<std::uint64_t>(a.block());
+  if (N == 0 || N > max_floats || blk + 1 > max_floats / N)
+    return status::error(errc::format_error, "truncated LKV artifact '%s': shapes (%d layers x %d KV heads, %llu floats per head) exceed the file's %zu bytes",
+                         name, a.num_layers, a.kv_heads, static_cast<unsigned long long>(blk), n);
+  const std::uint64_t want = N + N * blk;
   if (count != want)
     return status::error(errc::format_error, "LKV artifact '%s': payload holds %llu floats, the shapes need %llu", name,
                          static_cast<unsigned long long>(count), static_cast<unsigned long long>(want));

@@ -37,7 +37,7 @@ struct output_reconstruction {
   struct params {
     mode aggregation = mode::after;
     bool use_wo = true;                     ///< true: needs the W_O factor; false: value space
-    float tau = 1.0f;                       ///< exponent on the distance; > 0
+    float tau = 1.0f;                       ///< exponent on the distance, in (0, 16]
     bool include_window_in_output = false;  ///< "after": include window tokens in z
   };
   static constexpr const char* name = "output_reconstruction";
@@ -47,8 +47,8 @@ struct output_reconstruction {
   static constexpr bool has_scores = true;
   static bool needs_wo_factor(const params& p) { return p.use_wo; }
   static status check(const params& p) {
-    if (!(p.tau > 0.0f) || !std::isfinite(p.tau))
-      return status::error(errc::invalid_argument, "scorer.tau = %g must be finite and > 0", static_cast<double>(p.tau));
+    if (!(p.tau > 0.0f && p.tau <= 16.0f))
+      return status::error(errc::invalid_argument, "scorer.tau = %g must be in (0, 16]", static_cast<double>(p.tau));
     if (p.aggregation != mode::after && p.aggregation != mode::before)
       return status::error(errc::invalid_argument, "scorer.aggregation = %d is not a mode", static_cast<int>(p.aggregation));
     return {};

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
 #include "kvevict/core/status.hpp"
 #include "kvevict/core/tensor_view.hpp"
@@ -66,6 +67,8 @@ inline bool spans_overlap(std::uintptr_t a0, std::uintptr_t a1, std::uintptr_t b
 template <class T>
 [[nodiscard]] status compact(kv_view<const T> src, const_selection_view sel, kv_view<T> dst) {
   if (!src.data || !dst.data) return status::error(errc::null_pointer, "compact: src.data or dst.data is null");
+  KVEVICT_TRY(kvevict::detail::check_view_strides(src, "compact src"));
+  KVEVICT_TRY(kvevict::detail::check_view_strides(dst, "compact dst"));
   if (src.extent[0] != dst.extent[0] || src.extent[3] != dst.extent[3])
     return status::error(errc::shape_mismatch, "compact: src (batch %lld, head_dim %lld) != dst (batch %lld, head_dim %lld)",
                          static_cast<long long>(src.extent[0]), static_cast<long long>(src.extent[3]),
@@ -118,6 +121,7 @@ template <class T>
 template <class T>
 [[nodiscard]] status compact_ragged(kv_view<const T> src, const_selection_view sel, T* dst, std::int64_t dst_elems) {
   if (!src.data || !dst) return status::error(errc::null_pointer, "compact_ragged: src.data or dst is null");
+  KVEVICT_TRY(kvevict::detail::check_view_strides(src, "compact_ragged src"));
   if (sel.rows < 1 || sel.rows % (src.extent[0] * src.extent[1]) != 0)
     return status::error(errc::shape_mismatch, "compact_ragged: selection rows = %lld is not a multiple of batch * kv_heads = %lld",
                          static_cast<long long>(sel.rows), static_cast<long long>(src.extent[0] * src.extent[1]));

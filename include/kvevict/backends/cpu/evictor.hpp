@@ -129,6 +129,9 @@ class evictor<Policy, cpu::backend> {
   /// Bytes of workspace run() needs for these shapes (independent of the data).
   template <class T>
   std::size_t workspace_size(const layer_inputs<T>& in) const {
+    // Shapes that fail validation need no workspace (run() reports the error); this also keeps
+    // the sizing arithmetic away from zero or negative extents.
+    if (!shapes_ok(in)) return 0;
     kvevict::detail::workspace_carver c;
     carve_all(c, in);
     // + alignment: run() aligns the caller's pointer itself, so any address works (and gives
@@ -314,6 +317,9 @@ class evictor<Policy, cpu::backend> {
       buf.offsets[r] = total;
       total += std::min<std::int64_t>(buf.budgets[r], buf.plans[r].length);
     }
+    if (total > 0x7fffffff)
+      return status::error(errc::not_supported, "kept tokens = %lld exceed the int32 range of selection.indptr",
+                           static_cast<long long>(total));
     if (total > out.capacity)
       return status::error(errc::insufficient_capacity, "selection.capacity = %lld < kept tokens = %lld (use max_selected())",
                            static_cast<long long>(out.capacity), static_cast<long long>(total));
@@ -398,9 +404,22 @@ class evictor<Policy, cpu::backend> {
       buf.tmp = c.template carve<float>(static_cast<std::size_t>(nt * S));
       buf.pre = c.template carve<double>(static_cast<std::size_t>(nt * (S + 1)));
       buf.dq = c.template carve<std::int64_t>(static_cast<std::size_t>(nt * S));
-      for (int t = 0; t < nt; ++t) buf.scratch[t].carve(c, S, in.window(), in.head_dim(), Gq);
+      // The per-head scratch (O(S d G) floats) only for the threads the scoring loop can use:
+      // it runs over B * kv_heads tasks, so at most that many threads exist there.
+      const std::int64_t nt_heads = std::min<std::int64_t>(nt, std::max<std::int64_t>(B * in.kv_heads(), 1));
+      for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve(c, S, in.window(), in.head_dim(), Gq);
     }
     return buf;
+  }
+
+  template <class T>
+  bool shapes_ok(const layer_inputs<T>& in) const {
+    if (!in.keys.data || in.keys.extent[0] < 1 || in.keys.extent[1] < 1 || in.keys.extent[2] < 0 || in.keys.extent[3] < 1)
+      return false;
+    if (in.queries.data && (in.queries.extent[1] < 1 || in.queries.extent[1] % in.keys.extent[1] != 0 ||
+                            in.queries.extent[2] < 0 || in.queries.extent[2] > in.keys.extent[2]))
+      return false;
+    return true;
   }
 
   template <class T>

@@ -170,6 +170,14 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
       s.st_c[j] = is_last ? (j == w - 1 ? 1.0f : 0.0f)
                           : static_cast<float>(Temporal::weight(P.temporal, static_cast<int>(j), static_cast<int>(w)));
     const std::int64_t row_begin = is_last ? w - 1 : 0;
+    if constexpr (is_lor) {
+      // The reconstruction score needs a = a convex combination of attention rows (odds a/(1-a),
+      // exact limit): normalise the weights (temporal::sum then ranks like temporal::mean).
+      double csum = 0.0;
+      for (std::int64_t j = 0; j < w; ++j) csum += s.st_c[j];
+      if (csum > 0.0)
+        for (std::int64_t j = 0; j < w; ++j) s.st_c[j] = static_cast<float>(s.st_c[j] / csum);
+    }
 
     // Values (scaled by a power of two into a safe range) and their projections.
     float vscale = 1.0f;

@@ -26,9 +26,24 @@ struct has_smooth_hook<S, std::void_t<decltype(S::smooth(std::declval<const type
 inline void box_filter(const float* x, float* y, std::int64_t n, std::int64_t k, std::int64_t shift, bool replicate,
                        double* pre) {
   if (n <= 0) return;
+  const std::int64_t half = k / 2;
+  auto padded = [&](std::int64_t j) -> double {
+    if (j < 0) return replicate ? static_cast<double>(x[0]) : 0.0;
+    if (j > n - 1) return replicate ? static_cast<double>(x[n - 1]) : 0.0;
+    return static_cast<double>(x[j]);
+  };
+  if (k <= 64) {
+    // Narrow kernels (SnapKV 5..7, AWS k_min 5..21): each window summed directly in fp64, so a
+    // tiny score next to a huge one (an attention sink) is not lost to prefix-sum cancellation.
+    for (std::int64_t i = 0; i < n; ++i) {
+      double s = 0.0;
+      for (std::int64_t j = i - half + shift; j <= i + half + shift; ++j) s += padded(j);
+      y[i] = static_cast<float>(s / static_cast<double>(k));
+    }
+    return;
+  }
   pre[0] = 0.0;
   for (std::int64_t i = 0; i < n; ++i) pre[i + 1] = pre[i] + x[i];
-  const std::int64_t half = k / 2;
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t lo = i - half + shift, hi = i + half + shift;  // inclusive
     const std::int64_t a = std::max<std::int64_t>(lo, 0), c = std::min<std::int64_t>(hi, n - 1);
@@ -81,6 +96,8 @@ inline void smooth_row(const typename S::params& p, float* x, std::int64_t n, do
     S::smooth(p, x, tmp, n);
     for (std::int64_t i = 0; i < n; ++i)
       if (!(tmp[i] == tmp[i])) tmp[i] = -std::numeric_limits<float>::max();
+      else if (tmp[i] > std::numeric_limits<float>::max()) tmp[i] = std::numeric_limits<float>::max();
+      else if (tmp[i] < -std::numeric_limits<float>::max()) tmp[i] = -std::numeric_limits<float>::max();
   } else {
     static_assert(kvevict::detail::dependent_false<S>,
                   "kvevict: this spatial smoother has no CPU implementation (give it a static "
