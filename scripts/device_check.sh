@@ -11,6 +11,8 @@
 #      time and peak-memory ratio (skipped when torch with CUDA is not importable)
 # Every step has its own timeout; the script goes on after a failed step and exits non-zero
 # at the end if any step failed. Outputs land in $OUT (or ./device_check_out).
+# Usage: scripts/device_deps.sh (here, once), then through the device tool:
+#   run(command="scripts/device_check.sh", carry=[".device-deps"], timeout_s=540)
 # Usage: scripts/device_check.sh [build-dir]
 set -u
 cd "$(dirname "$0")/.."
@@ -35,8 +37,28 @@ step() {  # step <name> <timeout_s> <command...>
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv 2>&1 | tee "$OUTDIR/gpu.txt"
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 
+# A device machine starts bare: no Eigen, doctest or Google Benchmark, and ../shared does not
+# travel. scripts/device_deps.sh (run on the dev machine) puts the Debian packages and the model
+# into .device-deps/, which the device tool carries (carry: [".device-deps"]). Unpack them into
+# .device-deps/root (never into /) and point CMake and the tests there.
+CMAKE_DEPS=()
+DEPS=$PWD/.device-deps
+if ls "$DEPS"/debs/*.deb >/dev/null 2>&1; then
+  mkdir -p "$DEPS/root"
+  for f in "$DEPS"/debs/*.deb; do dpkg -x "$f" "$DEPS/root" || FAILED+=("unpack($f)"); done
+  R=$DEPS/root/usr
+  # Debian's doctest config hard-codes /usr/include: skip it; tests/CMakeLists.txt falls back to
+  # find_path(doctest/doctest.h) on CMAKE_INCLUDE_PATH.
+  CMAKE_DEPS=(-DCMAKE_PREFIX_PATH="$R;$R/lib/x86_64-linux-gnu/cmake;$R/share/eigen3/cmake"
+              -DCMAKE_DISABLE_FIND_PACKAGE_doctest=ON -DCMAKE_INCLUDE_PATH="$R/include")
+  export LD_LIBRARY_PATH="$R/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "using carried dependencies in $DEPS/root"
+fi
+[ -d "$DEPS/shared/models/stories260K" ] && export KVEVICT_MODEL_DIR="$DEPS/shared/models/stories260K"
+[ -d "$DEPS/shared/data/text" ] && export KVEVICT_DATA_DIR="$DEPS/shared/data/text"
+
 step configure 120 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_BENCH=ON || true
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_BENCH=ON "${CMAKE_DEPS[@]}" || true
 step build 300 cmake --build "$BUILD" -j"$JOBS" --target test_cuda bench_cuda || true
 
 TEST=$BUILD/tests/backends/cuda/test_cuda
