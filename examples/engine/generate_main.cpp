@@ -1,9 +1,11 @@
 // kvevict_engine example CLI: continue a prompt with the stories260K model, optionally evicting the KV cache.
 // Usage: generate [--model DIR] [--prompt TEXT] [--steps N] [--temperature T] [--seed S]
 //                 [--evict restkv|snapkv|h2o|streaming_llm --keep X [--chunk N] [--interval N]]
+//                 [--evict lkv --keep R [--lkv-mode a|b] [--interval S] [--artifact FILE]]
 // Build: g++ -std=c++17 -O2 -Iinclude -I/usr/include/eigen3 -DKVEVICT_SOURCE_DIR="\"$PWD\"" examples/engine/generate_main.cpp -o /tmp/generate
 #include "evict.hpp"
 #include "forward.hpp"
+#include "lkv_decode.hpp"
 #include "model_path.hpp"
 #include "tokenizer.hpp"
 
@@ -24,11 +26,16 @@ int usage(const char* argv0, const std::string& why) {
                  "  --steps N        tokens to generate (default 64)\n"
                  "  --temperature T  0 = greedy (default 0)\n"
                  "  --seed S         RNG seed for sampling (default 42)\n"
-                 "  --evict NAME     evict the KV cache with a kvevict preset: restkv, snapkv, h2o, streaming_llm\n"
-                 "                   (default: none, the full cache)\n"
-                 "  --keep X         per-head budget: a fraction in (0, 1), or a token count >= 1 (required with --evict)\n"
+                 "  --evict NAME     evict the KV cache with a kvevict preset: restkv, snapkv, h2o, streaming_llm,\n"
+                 "                   or lkv (learned budgets + scorer, artifacts/lkv; docs/lkv.md) (default: none)\n"
+                 "  --keep X         per-head budget: a fraction in (0, 1), or a token count >= 1 (required with --evict);\n"
+                 "                   lkv: the global keep ratio R (or tokens per head on average)\n"
                  "  --chunk N        chunked prefill: evict after every N prompt tokens (default: once, after the prompt)\n"
-                 "  --interval N     decode-time cap: evict every N generated tokens (needs a token count for --keep)\n",
+                 "  --interval N     decode-time cap: evict every N generated tokens (needs a token count for --keep);\n"
+                 "                   lkv mode b: recompute budgets and evict every N generated tokens (default 1)\n"
+                 "  --lkv-mode M     lkv decoding: a = budgets fixed at prefill, generated tokens appended;\n"
+                 "                   b = budgets track the tokens seen, heads over budget drop (default b)\n"
+                 "  --artifact FILE  lkv tables (default: $KVEVICT_LKV_ARTIFACT, else <repo>/artifacts/lkv/stories260K.lkv)\n",
                  argv0);
     return 2;
 }
@@ -47,6 +54,7 @@ int main(int argc, char** argv) {
     std::string evict_name;
     double keep = 0;
     int chunk = 0, interval = 0;
+    std::string lkv_mode, artifact_flag;  // lkv_mode empty: b
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "-h" || a == "--help") return usage(argv[0], "");
@@ -76,6 +84,11 @@ int main(int argc, char** argv) {
         } else if (a == "--interval") {
             if (!parse_number(v, x) || x < 1 || x > 1e6) return usage(argv[0], "--interval needs a count in 1..1000000");
             interval = int(x);
+        } else if (a == "--lkv-mode") {
+            if (std::string(v) != "a" && std::string(v) != "b") return usage(argv[0], "--lkv-mode needs a or b, got '" + std::string(v) + "'");
+            lkv_mode = v;
+        } else if (a == "--artifact") {
+            artifact_flag = v;
         } else return usage(argv[0], "unknown option " + a);
     }
 
@@ -90,6 +103,64 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "error: %s\n", r.error.c_str());
         return 1;
     }
+
+    const std::vector<int> tokens = tok.encode(prompt);
+    if (evict_name == "lkv") {
+        if (!(keep > 0)) return usage(argv[0], "--evict lkv needs --keep");
+        if (chunk > 0) return usage(argv[0], "--chunk does not apply to lkv (its prefill is layer-wise)");
+        if (lkv_mode == "a" && interval > 0) return usage(argv[0], "--interval applies to --lkv-mode b only");
+        const char* env = std::getenv("KVEVICT_LKV_ARTIFACT");
+        const std::string art_path = !artifact_flag.empty() ? artifact_flag
+                                     : env && *env ? std::string(env) : std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/stories260K.lkv";
+        kvevict::io::lkv_artifact art;
+        kvevict::io::lkv_model_identity id;
+        kvevict::status st = kvevict::io::read_lkv_artifact(art_path.c_str(), &art);
+        if (st.ok()) st = kvevict::io::checkpoint_identity(model_file(dir).c_str(), &id);
+        if (st.ok()) st = kvevict::io::check_model(art, id);
+        if (!st.ok()) {
+            std::fprintf(stderr, "error: %s (artifact %s)\n", st.message(), art_path.c_str());
+            return 1;
+        }
+        if (lkv_mode.empty()) lkv_mode = "b";
+        lkv_decode_options o;
+        o.mode = lkv_mode == "a" ? lkv_decode_mode::a : lkv_decode_mode::b;
+        o.budget = keep >= 1 ? kvevict::budget_request::tokens(std::int32_t(keep)) : kvevict::budget_request::fraction(keep);
+        o.interval = interval > 0 ? interval : 1;
+        lkv_session session(m, kvevict::io::scorer_params(art), kvevict::io::budgeter_params(art), o, int(tokens.size()) + steps);
+        std::vector<float> logits;
+        const auto t0 = std::chrono::steady_clock::now();
+        if (result r = session.prefill(tokens, logits); !r) {
+            std::fprintf(stderr, "error: %s\n", r.error.c_str());
+            return 1;
+        }
+        std::mt19937 rng(seed);
+        std::printf("%s", tok.decode(tokens).c_str());
+        int prev = tokens.back(), generated = 0;
+        while (generated < steps) {
+            const int next = sample(logits, temperature, rng);
+            if (next == tokenizer::bos || next == tokenizer::eos) break;
+            std::printf("%s", tok.decode_piece(prev, next).c_str());
+            std::fflush(stdout);
+            prev = next;
+            if (++generated == steps) break;
+            if (result r = session.decode(next, logits); !r) {
+                std::fprintf(stderr, "\nerror: %s\n", r.error.c_str());
+                return 1;
+            }
+        }
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::printf("\n");
+        std::fprintf(stderr, "[%zu prompt tokens, %d generated, %.1f tok/s]\n", tokens.size(), generated,
+                     double(tokens.size() + size_t(generated)) / std::max(secs, 1e-9));
+        std::fprintf(stderr, "[LKV mode %s%s: %d evictions, KV slots now %lld of %lld seen (all layers and heads), peak %lld]\n",
+                     lkv_mode.c_str(), o.mode == lkv_decode_mode::b ? (" interval " + std::to_string(o.interval)).c_str() : "",
+                     session.evictions(), static_cast<long long>(session.kv_tokens()),
+                     static_cast<long long>(session.tokens_seen()) * m.cfg.n_layers * m.cfg.n_kv_heads,
+                     static_cast<long long>(session.peak_kv_tokens()));
+        return 0;
+    }
+    if (!lkv_mode.empty()) return usage(argv[0], "--lkv-mode needs --evict lkv");
+    if (!artifact_flag.empty()) return usage(argv[0], "--artifact needs --evict lkv");
 
     method meth;
     meth.name = "none";
@@ -113,7 +184,6 @@ int main(int argc, char** argv) {
             return 1;
         }
 
-    const std::vector<int> tokens = tok.encode(prompt);
     eviction_session session(m, wo, meth, so, int(tokens.size()) + steps);
     std::vector<float> logits;
     const auto t0 = std::chrono::steady_clock::now();

@@ -14,7 +14,17 @@
 //  - budgeters::headwise_learned has the whole-layer hook `layer_budgets(...)`: the evictor
 //    calls it once per sequence with the plans of the layer's rows; it returns the layer's
 //    slice of the global allocation over all layers' KV heads.
+//
+// Decoding (spec lkv.md "Decoding"; docs/lkv.md "Decoding: mode A vs mode B"): mode A needs
+// nothing beyond the prefill eviction. Mode B (the budget tracks the tokens seen, t) is
+// lkv::decode_budgets / lkv::select_drops / lkv::decode_step at the end of this file: stored
+// per-token utilities (lkv::score_tokens, once per token), caller buffers, ragged head lengths.
 #pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "kvevict/cpu.hpp"
 #include "kvevict/io/lkv_artifact.hpp"
@@ -90,6 +100,184 @@ inline status score_tokens(const scorers::learned_mlp::params& p, int layer, std
   if (length > 0 && (!keys || !values || !out)) return status::error(errc::null_pointer, "keys, values or out is null");
   for (std::int64_t n = 0; n < length; ++n)
     out[n] = scorers::learned_mlp::utility(p, layer, kv_head, keys + n * row_stride, values + n * row_stride);
+  return {};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding "mode B" (spec lkv.md "Decoding"): the budget tracks t, the tokens seen so far.
+//
+// Mode A keeps the budgets of the prefill and appends every generated token (nothing to compute
+// here). Mode B recomputes the global budgets for the current t and makes every head that holds
+// more than its budget drop its lowest-utility tokens. A token's LKV-T utility depends only on
+// its own cached k and v, so an engine scores each token ONCE, when it is appended, and stores
+// the float beside its cache slot (moving it with the slot when the cache is compacted); a step
+// then never re-scores old tokens. The functions below are that step:
+//
+//   lkv::decode_budgets(bp, req, t, budgets)       global budgets b_n(t), n = layer * kv_heads + h
+//   lkv::select_drops(u, length, budget, ...)      one head: which slots to drop (ascending)
+//   lkv::decode_step(bp, req, t, cache, out, ...)  both, for every (layer, KV head) of the model
+//
+// Rule of a step at t tokens seen (deterministic):
+//   b = headwise_learned::global_budgets(bp, req, t, floor_each = 0): sum b = floor(R * N * t)
+//       (keep_tokens B: N * min(B, t)), 0 <= b_n <= t, N = num_layers * kv_heads;
+//   head n holding len_n tokens keeps min(len_n, b_n) of them: the top b_n by utility, equal
+//   utilities ranked by slot (the lower slot = the older token ranks higher), i.e. it drops
+//   its max(0, len_n - b_n) lowest-utility tokens, among equal utilities the higher slot first.
+//   A head under its budget keeps everything (evicted tokens never come back). This is the
+//   same order as the prefill top-k (selectors::topk, ties to the lower index), so a step on an
+//   uncompressed cache (every len_n = t) keeps exactly what evictor<lkv::full> keeps.
+//
+// "Every s steps": the step is stateless, so the schedule is the caller's. The engine in
+// examples/engine/lkv_decode.hpp scores every appended token at once and calls decode_step
+// with t = prompt + decoded tokens after the prefill and after every s-th decoded token;
+// budgets are always those of the CURRENT t (not of the previous call), so sum b =
+// floor(R * N * t) holds at every call, and between two calls a head holds at most its budget
+// at the last call + s tokens. s = 1 is the spec's "every step".
+//
+// Allocation: select_drops and decode_step write only to caller buffers (no heap allocation
+// of their own); the budget computation is headwise_learned::global_budgets, whose
+// water-filling (detail::lkv_water_fill, policies/learned.hpp) allocates three O(N) vectors per
+// call. With s > 1 that happens once per s tokens. Cost per step: O(N^2) worst case for the
+// budgets (N heads, apportionment) + O(len_n) per head that drops (nth_element on scratch).
+
+/// Global LKV-H budgets for t tokens seen: budgets[n] for n = layer * kv_heads + kv_head,
+/// N = bp.num_layers * bp.kv_heads entries (int64, caller-allocated), floor_each = 0 (plus
+/// bp.min_budget when set). req: exactly one of keep_fraction in (0, 1] or keep_tokens >= 1.
+/// bp.num_tokens is ignored (t is explicit). Errors: bp invalid (headwise_learned::check), bad
+/// req, t < 0, null budgets.
+inline status decode_budgets(const budgeters::headwise_learned::params& bp, const budget_request& req, std::int64_t t,
+                             std::int64_t* budgets) {
+  KVEVICT_TRY(budgeters::headwise_learned::check(bp));
+  const bool tok = req.keep_tokens != 0, frac = req.keep_fraction != 0.0;
+  if (tok == frac)
+    return status::error(errc::invalid_argument, "budget: set exactly one of keep_tokens (= %d) and keep_fraction (= %g)",
+                         req.keep_tokens, req.keep_fraction);
+  if (tok && req.keep_tokens < 1) return status::error(errc::invalid_argument, "budget.keep_tokens = %d must be >= 1", req.keep_tokens);
+  if (frac && !(req.keep_fraction > 0.0 && req.keep_fraction <= 1.0))
+    return status::error(errc::invalid_argument, "budget.keep_fraction = %g must be in (0, 1]", req.keep_fraction);
+  if (t < 0) return status::error(errc::invalid_argument, "t = %lld (tokens seen) must be >= 0", static_cast<long long>(t));
+  if (!budgets) return status::error(errc::null_pointer, "budgets is null");
+  budgeters::headwise_learned::params p = bp;
+  p.num_tokens = 0;
+  return budgeters::headwise_learned::global_budgets(p, req, t, 0, budgets);
+}
+
+/// One head of a mode-B step: the slots to drop so that the head keeps min(length, budget).
+///
+/// utilities  fp32 (length): the stored LKV-T utility of slot s of the head (finite; NaN/inf is
+///            an error, never reordered silently).
+/// length     >= 0 tokens the head holds; budget >= 0.
+/// scratch    int32 (length) when length > budget (may be null otherwise); contents clobbered.
+/// drops      int32 (max(0, length - budget)) out: the dropped slots, strictly ascending.
+/// num_drops  out: max(0, length - budget).
+/// Order: slot a ranks above slot b when u_a > u_b, or u_a == u_b and a < b; the lowest-ranked
+/// slots are dropped. O(length) (std::nth_element) + O(k log k) for k drops. No allocation.
+/// Errors: length < 0, budget < 0, null pointers, a non-finite utility (names the slot).
+inline status select_drops(const float* utilities, std::int64_t length, std::int64_t budget, std::int32_t* scratch,
+                           std::int32_t* drops, std::int64_t* num_drops) {
+  if (length < 0 || budget < 0)
+    return status::error(errc::invalid_argument, "length = %lld and budget = %lld must be >= 0", static_cast<long long>(length),
+                         static_cast<long long>(budget));
+  if (length > 2147483647)
+    return status::error(errc::invalid_argument, "length = %lld does not fit int32 slot indices", static_cast<long long>(length));
+  if (!num_drops) return status::error(errc::null_pointer, "num_drops is null");
+  const std::int64_t k = length > budget ? length - budget : 0;
+  *num_drops = 0;
+  if (k == 0) return {};
+  if (!utilities || !scratch || !drops) return status::error(errc::null_pointer, "utilities, scratch or drops is null (%lld drops)", static_cast<long long>(k));
+  for (std::int64_t s = 0; s < length; ++s) {
+    if (!std::isfinite(utilities[s]))
+      return status::error(errc::non_finite_input, "utilities[%lld] = %g is not finite", static_cast<long long>(s),
+                           static_cast<double>(utilities[s]));
+    scratch[s] = static_cast<std::int32_t>(s);
+  }
+  // "a ranks below b": the k lowest-ranked go to the front.
+  const auto below = [utilities](std::int32_t a, std::int32_t b) {
+    return utilities[a] < utilities[b] || (utilities[a] == utilities[b] && a > b);
+  };
+  if (k < length) std::nth_element(scratch, scratch + k, scratch + length, below);
+  std::sort(scratch, scratch + k);
+  for (std::int64_t i = 0; i < k; ++i) drops[i] = scratch[i];
+  *num_drops = k;
+  return {};
+}
+
+/// The stored utilities and lengths of every (layer, KV head) of a cache, for decode_step.
+/// Head n = layer * kv_heads + kv_head holds lengths[n] tokens in slots 0..lengths[n]-1 (ragged:
+/// heads differ after mode-B steps); utilities[n * utility_stride + s] is the utility of its slot s.
+struct decode_cache_view {
+  const float* utilities = nullptr;       ///< fp32 (N, utility_stride), slot-aligned with the cache
+  std::int64_t utility_stride = 0;        ///< elements between heads, >= every length (e.g. capacity)
+  const std::int32_t* lengths = nullptr;  ///< int32 (N): tokens each head holds now
+};
+
+/// Caller-owned outputs and scratch of decode_step (nothing is allocated by the step).
+struct decode_step_buffers {
+  std::int64_t* budgets = nullptr;       ///< int64 (N) out: b_n(t)
+  std::int32_t* drop_indptr = nullptr;   ///< int32 (N + 1) out: CSR, drops of head n in [indptr[n], indptr[n+1])
+  std::int32_t* drop_indices = nullptr;  ///< int32 (drop_capacity) out: dropped slots, ascending per head
+  std::int64_t drop_capacity = 0;        ///< >= sum_n max(0, lengths[n] - b_n); sum_n lengths[n] always suffices
+  std::int32_t* scratch = nullptr;       ///< int32 (scratch_size), clobbered
+  std::int64_t scratch_size = 0;         ///< >= the longest head that drops; max_n lengths[n] always suffices
+};
+
+/// A mode-B step over the whole model at t tokens seen (see the rule above): budgets for t, then
+/// for every head the slots to drop. The caller removes the dropped slots from its cache (and
+/// its stored utilities) itself, e.g. by moving the kept rows down in order (slots of a head
+/// stay in increasing position, as the prefill selection leaves them).
+/// Errors (outputs unspecified): bp / req / t as decode_budgets; null cache pointers; a length
+/// < 0, > t (a head cannot hold more tokens than were seen) or > utility_stride (named by head);
+/// drop_capacity or scratch_size too small (insufficient_capacity / insufficient_workspace,
+/// naming the needed size); a non-finite utility in a head that drops (named by head and slot).
+inline status decode_step(const budgeters::headwise_learned::params& bp, const budget_request& req, std::int64_t t,
+                          const decode_cache_view& cache, const decode_step_buffers& out) {
+  KVEVICT_TRY(budgeters::headwise_learned::check(bp));
+  const std::int64_t H = bp.kv_heads, N = static_cast<std::int64_t>(bp.num_layers) * H;
+  if (!cache.lengths) return status::error(errc::null_pointer, "cache.lengths is null");
+  if (!out.budgets || !out.drop_indptr) return status::error(errc::null_pointer, "out.budgets or out.drop_indptr is null");
+  if (cache.utility_stride < 0)
+    return status::error(errc::invalid_argument, "cache.utility_stride = %lld must be >= 0", static_cast<long long>(cache.utility_stride));
+  for (std::int64_t n = 0; n < N; ++n) {
+    const std::int64_t len = cache.lengths[n];
+    if (len < 0 || len > t || len > cache.utility_stride)
+      return status::error(errc::invalid_argument,
+                           "cache.lengths[%lld] = %lld (layer %lld, kv_head %lld) must be in [0, min(t = %lld, utility_stride = %lld)]",
+                           static_cast<long long>(n), static_cast<long long>(len), static_cast<long long>(n / H),
+                           static_cast<long long>(n % H), static_cast<long long>(t), static_cast<long long>(cache.utility_stride));
+  }
+  KVEVICT_TRY(decode_budgets(bp, req, t, out.budgets));
+  std::int64_t need = 0, longest = 0;
+  for (std::int64_t n = 0; n < N; ++n) {
+    const std::int64_t len = cache.lengths[n];
+    if (len > out.budgets[n]) {
+      need += len - out.budgets[n];
+      if (len > longest) longest = len;
+    }
+  }
+  if (need > 2147483647)
+    return status::error(errc::invalid_argument, "%lld drops do not fit int32 drop_indptr", static_cast<long long>(need));
+  if (need > 0 && !cache.utilities) return status::error(errc::null_pointer, "cache.utilities is null (%lld drops)", static_cast<long long>(need));
+  if (need > 0 && (!out.drop_indices || out.drop_capacity < need))
+    return status::error(errc::insufficient_capacity, "out.drop_capacity = %lld < %lld drops at t = %lld (drop_indices %s)",
+                         static_cast<long long>(out.drop_capacity), static_cast<long long>(need), static_cast<long long>(t),
+                         out.drop_indices ? "set" : "null");
+  if (longest > 0 && (!out.scratch || out.scratch_size < longest))
+    return status::error(errc::insufficient_workspace, "out.scratch_size = %lld < %lld (the longest head that drops; scratch %s)",
+                         static_cast<long long>(out.scratch_size), static_cast<long long>(longest), out.scratch ? "set" : "null");
+  std::int64_t at = 0;
+  out.drop_indptr[0] = 0;
+  for (std::int64_t n = 0; n < N; ++n) {
+    std::int64_t k = 0;
+    const status s = select_drops(cache.utilities + n * cache.utility_stride, cache.lengths[n], out.budgets[n], out.scratch,
+                                  out.drop_indices ? out.drop_indices + at : nullptr, &k);
+    if (!s.ok()) {
+      const char* m = std::strstr(s.message(), ": ");  // drop the repeated category prefix
+      return status::error(s.code(), "layer %lld, kv_head %lld: %s", static_cast<long long>(n / H), static_cast<long long>(n % H),
+                           m ? m + 2 : s.message());
+    }
+    at += k;
+    out.drop_indptr[n + 1] = static_cast<std::int32_t>(at);
+  }
   return {};
 }
 
