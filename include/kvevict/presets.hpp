@@ -26,6 +26,22 @@ struct pyramidkv : eviction_policy<scorers::attention_weight, temporal::sum, spa
 /// AdaKV (Feng et al. 2024): SnapKV scores with head-wise adaptive budgets, alpha 0.2 (GQA).
 struct adakv : eviction_policy<scorers::attention_weight, temporal::sum, spatial::avg_pool, budgeters::adakv> {};
 
+/// CriticalKV (Feng et al. 2025, arXiv 2502.03805) on SnapKV scores, uniform per-head budgets (the
+/// reference's CriticalKVPress wrapping SnapKV): window attention averaged over the window
+/// (temporal::mean, as the reference's SnapKV scorer, so eps is independent of the window length),
+/// avg-pool width 5, GQA mean; selection in two stages: half of each head's candidate budget by
+/// attention, the rest by (a + 1e-4) * ||v W_O^h||_1. Needs layer_inputs::wo (the layer's output
+/// projection, hidden x q_heads * head_dim). Window kept. Uniform budgets make it the
+/// like-for-like counterpart of `snapkv`: the two differ only in the value-norm stage.
+struct criticalkv : eviction_policy<scorers::attention_value_norm, temporal::mean, spatial::avg_pool, budgeters::uniform,
+                                    selectors::two_stage> {};
+
+/// CriticalAdaKV (Feng et al. 2025): `criticalkv` with AdaKV head-wise budgets (alpha 0.2, the
+/// reference's alpha_safeguard), allocated on the pooled attention score as in the reference; each
+/// head's budget then goes through the two stages. The counterpart of `adakv`.
+struct critical_adakv : eviction_policy<scorers::attention_value_norm, temporal::mean, spatial::avg_pool, budgeters::adakv,
+                                        selectors::two_stage> {};
+
 /// H2O (Zhang et al. 2023): accumulated attention of all prompt queries (pass W = L), half of
 /// the budget heavy hitters and half recent tokens.
 struct h2o : eviction_policy<scorers::accumulated_attention, temporal::sum, spatial::none> {

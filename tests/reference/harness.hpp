@@ -121,11 +121,18 @@ void quantize(problem& p) {
   for (auto& x : p.WO) x = static_cast<double>(static_cast<float>(x));
 }
 
+/// Round W_O to storage type T (for layer_inputs::wo, which CriticalKV reads in type T).
+template <class T>
+void quantize_wo(problem& p) {
+  for (auto& x : p.WO) x = static_cast<double>(kvevict::to_float(kvevict::from_float<T>(static_cast<float>(x))));
+}
+
 /// The problem stored for the library in type T and a layout; owns the buffers.
 template <class T>
 struct stored {
   std::vector<T> kbuf, vbuf, qbuf;
   std::vector<float> wo, R;
+  std::vector<T> wot;  ///< W_O in storage type T for layer_inputs::wo (CriticalKV)
   std::vector<std::int32_t> lens;
   kvevict::layer_inputs<T> in;
 };
@@ -193,6 +200,11 @@ void store(const problem& p, layout l, stored<T>& st) {
     const kvevict::status r = kvevict::cpu::compute_wo_factors(wv, s.q_heads(), s.d, st.R.data());
     (void)r;
     st.in.wo_factor = kvevict::cpu::wo_factor_view(st.R.data(), s.q_heads(), s.d);
+    // The full W_O, row-major [out][in], in type T (round p.WO with quantize_wo<T> first when
+    // T is not float, so the reference sees the stored values).
+    st.wot.resize(p.WO.size());
+    for (std::size_t i = 0; i < p.WO.size(); ++i) st.wot[i] = kvevict::from_float<T>(static_cast<float>(p.WO[i]));
+    st.in.wo = kvevict::strided_view<const T, 2>{st.wot.data(), {s.hidden, s.q_heads() * s.d}, {s.q_heads() * s.d, 1}};
   }
 }
 
@@ -200,7 +212,7 @@ void store(const problem& p, layout l, stored<T>& st) {
 // Whole-pipeline reference
 // ------------------------------------------------------------------------------------------
 
-enum class scorer_kind { attention_weight, accumulated, last_query, key_norm, lor };
+enum class scorer_kind { attention_weight, accumulated, last_query, key_norm, lor, attention_value_norm };
 enum class spatial_kind { none, avg_pool, max_pool, adaptive };
 enum class budget_kind { uniform, pyramid, adakv };
 
@@ -228,6 +240,8 @@ struct ref_config {
   bool pyramid_exact = true;
   double adakv_alpha = 0.2;
   std::int64_t layer = 0, num_layers = 1;
+  // CriticalKV (scorer attention_value_norm): selection in two stages
+  double first_stage_ratio = 0.5, eps = 1e-4;
 };
 
 struct ref_row {
@@ -236,7 +250,18 @@ struct ref_row {
   std::vector<double> scores;  ///< final (reduced, smoothed) over [0, L); empty when not scored
   std::vector<std::int32_t> kept;
   double drift = 0.0;
+  std::vector<double> secondary;       ///< CriticalKV: reduced ||v W_O^h||_1 over [0, L)
+  std::vector<std::int32_t> stage1;    ///< CriticalKV: the stage-1 slots (ascending)
 };
+
+/// CriticalKV's value term of query head hq over KV head h: u[n] = ||v_n W_O^hq||_1, n < L.
+inline std::vector<double> reference_value_norms(const problem& p, std::int64_t b, std::int64_t h, std::int64_t hq) {
+  const std::int64_t L = p.length(b, h);
+  const kvref::mat V = p.values(b, h), WO = p.wo(hq);
+  std::vector<double> u(static_cast<std::size_t>(L));
+  for (std::int64_t n = 0; n < L; ++n) u[static_cast<std::size_t>(n)] = kvref::proj_l1_norm(V.row(n), p.s.d, WO);
+  return u;
+}
 
 /// Raw score row (length L) of query head hq over KV head h of sequence b, plus its drift.
 inline std::vector<double> reference_head_scores(const problem& p, const ref_config& cfg, std::int64_t b, std::int64_t h,
@@ -254,7 +279,8 @@ inline std::vector<double> reference_head_scores(const problem& p, const ref_con
   if (drift_k > 0) *drift = kvref::attention_drift(A, drift_k);
   const kvref::vec c = kvref::temporal_weights(cfg.temporal, cfg.alpha, w);
   switch (cfg.scorer) {
-    case scorer_kind::attention_weight: return kvref::attention_weight_score(A, c);
+    case scorer_kind::attention_weight:
+    case scorer_kind::attention_value_norm: return kvref::attention_weight_score(A, c);
     case scorer_kind::last_query: return kvref::last_query_score(A);
     case scorer_kind::lor: {
       const kvref::mat V = p.values(b, h);
@@ -283,6 +309,7 @@ inline std::vector<ref_row> reference_run(const problem& p, const ref_config& cf
     }
     // raw scores per query head, then reduction
     std::vector<std::vector<double>> qrows(static_cast<std::size_t>(s.q_heads()));
+    std::vector<std::vector<double>> urows(static_cast<std::size_t>(s.q_heads()));  // CriticalKV
     std::vector<double> qdrift(static_cast<std::size_t>(s.q_heads()), 0.0);
     bool any = false;
     for (std::int64_t hr = 0; hr < H; ++hr) any = any || !rows[static_cast<std::size_t>(b * H + hr)].plan.pass;
@@ -302,11 +329,27 @@ inline std::vector<ref_row> reference_run(const problem& p, const ref_config& cf
         const std::int64_t hq = h * G + g;
         if (pl0.L == 0) continue;
         qrows[static_cast<std::size_t>(hq)] = reference_head_scores(p, cfg, b, h, hq, dk, &qdrift[static_cast<std::size_t>(hq)]);
+        if (cfg.scorer == scorer_kind::attention_value_norm) urows[static_cast<std::size_t>(hq)] = reference_value_norms(p, b, h, hq);
       }
     }
-    std::vector<std::vector<double>> out(static_cast<std::size_t>(H));
+    std::vector<std::vector<double>> out(static_cast<std::size_t>(H)), uout(static_cast<std::size_t>(H));
     std::vector<double> odrift(static_cast<std::size_t>(H), 0.0);
+    const bool critical = cfg.scorer == scorer_kind::attention_value_norm;
     for (std::int64_t hr = 0; hr < H; ++hr) {
+      if (critical) {  // the value norms reduced by the same GQA rule as the scores
+        if (cfg.gqa == kvref::gqa_kind::per_query_head) {
+          uout[static_cast<std::size_t>(hr)] = urows[static_cast<std::size_t>(hr)];
+        } else if (cfg.gqa == kvref::gqa_kind::layer_mean) {
+          std::vector<std::vector<double>> grp_means;
+          for (std::int64_t h2 = 0; h2 < Hkv; ++h2)
+            grp_means.push_back(kvref::reduce_rows(
+                std::vector<std::vector<double>>(urows.begin() + h2 * G, urows.begin() + (h2 + 1) * G), kvref::gqa_kind::mean));
+          uout[static_cast<std::size_t>(hr)] = kvref::reduce_rows(grp_means, kvref::gqa_kind::mean);
+        } else if (!urows[static_cast<std::size_t>(hr * G)].empty()) {
+          uout[static_cast<std::size_t>(hr)] = kvref::reduce_rows(
+              std::vector<std::vector<double>>(urows.begin() + hr * G, urows.begin() + (hr + 1) * G), cfg.gqa);
+        }
+      }
       if (cfg.gqa == kvref::gqa_kind::per_query_head) {
         out[static_cast<std::size_t>(hr)] = qrows[static_cast<std::size_t>(hr)];
         odrift[static_cast<std::size_t>(hr)] = qdrift[static_cast<std::size_t>(hr)];
@@ -346,6 +389,7 @@ inline std::vector<ref_row> reference_run(const problem& p, const ref_config& cf
       std::copy(y.begin(), y.end(), x.begin());
       R.scores = x;
       R.drift = odrift[static_cast<std::size_t>(hr)];
+      if (critical) R.secondary = uout[static_cast<std::size_t>(hr)];
     }
     // budgets
     std::vector<kvref::head_plan> plans;
@@ -373,7 +417,11 @@ inline std::vector<ref_row> reference_run(const problem& p, const ref_config& cf
     for (std::int64_t hr = 0; hr < H; ++hr) {
       auto& R = rows[static_cast<std::size_t>(b * H + hr)];
       R.budget = bud[static_cast<std::size_t>(hr)];
-      R.kept = kvref::topk_select(R.scores, R.plan.L, R.budget, R.plan.sinks, R.plan.recent);
+      if (critical && !R.scores.empty())
+        R.kept = kvref::two_stage_select(R.scores, R.secondary, R.plan.L, R.budget, R.plan.sinks, R.plan.recent,
+                                         cfg.first_stage_ratio, cfg.eps, &R.stage1);
+      else
+        R.kept = kvref::topk_select(R.scores, R.plan.L, R.budget, R.plan.sinks, R.plan.recent);
     }
   }
   return rows;

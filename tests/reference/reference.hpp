@@ -171,6 +171,18 @@ inline vec project(const double* x, std::int64_t d, const mat* wo) {
   return y;
 }
 
+/// ||x W_O^h||_1 by the straightforward projection to the hidden size (CriticalKV's value term):
+/// sum over c < C of |sum_i x[i] wo(c, i)|; wo is C x d.
+inline double proj_l1_norm(const double* x, std::int64_t d, const mat& wo) {
+  double s = 0.0;
+  for (std::int64_t c = 0; c < wo.rows; ++c) {
+    double y = 0.0;
+    for (std::int64_t i = 0; i < d; ++i) y += x[i] * wo(c, i);
+    s += std::fabs(y);
+  }
+  return s;
+}
+
 /// How the reconstruction references evaluate the odds times the distance.
 ///  - straightforward: a/(1-a) * ||z W_O - v_n W_O||, both projected to the hidden size (the
 ///    reference code's way; loses everything when a rounds to 1);
@@ -594,6 +606,46 @@ inline std::vector<std::int32_t> topk_select(const vec& scores, std::int64_t L, 
   for (std::int64_t i = 0; i < k; ++i) out.push_back(static_cast<std::int32_t>(cand[static_cast<std::size_t>(i)]));
   for (std::int64_t i = c1; i < L; ++i) out.push_back(static_cast<std::int32_t>(i));
   std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// CriticalKV's two-stage selection (spec baselines.md; docs/criticalkv.md), written from the
+/// documented rule: L <= budget keeps everything; else sinks and recent by rule; of the
+/// k = min(budget - sinks - recent, candidates) candidate slots, k1 = floor(ratio * k) by a
+/// (desc, ties to the lower index) and the other k - k1, among the candidates not taken by stage
+/// 1, by (a + eps) * u (desc, ties to the lower index). Ascending output. `stage1` (optional)
+/// receives the stage-1 slots ascending. Full sorts (std::stable_sort) instead of selection.
+inline std::vector<std::int32_t> two_stage_select(const vec& a, const vec& u, std::int64_t L, std::int64_t budget,
+                                                  std::int64_t sinks, std::int64_t recent, double ratio, double eps,
+                                                  std::vector<std::int32_t>* stage1 = nullptr) {
+  std::vector<std::int32_t> out;
+  if (stage1) stage1->clear();
+  if (budget >= L) {
+    for (std::int64_t i = 0; i < L; ++i) out.push_back(static_cast<std::int32_t>(i));
+    return out;
+  }
+  const std::int64_t c0 = sinks, c1 = L - recent;
+  const std::int64_t k = std::max<std::int64_t>(0, std::min(budget - sinks - recent, c1 - c0));
+  const std::int64_t k1 = static_cast<std::int64_t>(std::floor(ratio * static_cast<double>(k)));
+  std::vector<std::int64_t> cand;
+  for (std::int64_t i = c0; i < c1; ++i) cand.push_back(i);
+  std::stable_sort(cand.begin(), cand.end(), [&](std::int64_t x, std::int64_t y) {
+    return a[static_cast<std::size_t>(x)] > a[static_cast<std::size_t>(y)];
+  });
+  std::vector<char> taken(static_cast<std::size_t>(L), 0);
+  for (std::int64_t i = 0; i < k1; ++i) {
+    taken[static_cast<std::size_t>(cand[static_cast<std::size_t>(i)])] = 1;
+    if (stage1) stage1->push_back(static_cast<std::int32_t>(cand[static_cast<std::size_t>(i)]));
+  }
+  std::vector<std::int64_t> rest;
+  for (std::int64_t i = c0; i < c1; ++i)
+    if (!taken[static_cast<std::size_t>(i)]) rest.push_back(i);
+  auto crit = [&](std::int64_t x) { return (a[static_cast<std::size_t>(x)] + eps) * u[static_cast<std::size_t>(x)]; };
+  std::stable_sort(rest.begin(), rest.end(), [&](std::int64_t x, std::int64_t y) { return crit(x) > crit(y); });
+  for (std::int64_t i = 0; i < k - k1; ++i) taken[static_cast<std::size_t>(rest[static_cast<std::size_t>(i)])] = 1;
+  for (std::int64_t i = 0; i < L; ++i)
+    if (i < c0 || i >= c1 || taken[static_cast<std::size_t>(i)]) out.push_back(static_cast<std::int32_t>(i));
+  if (stage1) std::sort(stage1->begin(), stage1->end());
   return out;
 }
 

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvevict/core/budget_rules.hpp"
 #include "kvevict/core/numeric.hpp"
@@ -30,6 +31,13 @@ namespace kvevict {
 ///   wo_factor (q_heads, head_dim, head_dim) fp32, row-major R_h with ||R_h x|| = ||x W_O^h||,
 ///             required when the scorer uses W_O (see cpu::compute_wo_factors()).
 ///   layer_idx / num_layers: for per-layer budgeters (PyramidKV); 0 <= layer_idx < num_layers.
+///   wo        (hidden, q_heads * head_dim) in storage type T: the layer's full output projection
+///             as the model stores it, [out][in] (PyTorch nn.Linear o_proj.weight, llama2.c wo,
+///             y = W x); columns hq*head_dim .. hq*head_dim + head_dim - 1 belong to query head hq;
+///             any non-negative strides (row-major: stride {q_heads * head_dim, 1}). Required by
+///             scorers with needs_wo_matrix (scorers::attention_value_norm, CriticalKV), whose
+///             L1 norm ||v W_O^h||_1 has no d x d equivalent; ignored otherwise. Finite
+///             (checked with check_finite).
 template <class T>
 struct layer_inputs {
   query_view<const T> queries;
@@ -40,6 +48,7 @@ struct layer_inputs {
   strided_view<const float, 3> wo_factor;
   std::int32_t layer_idx = 0;
   std::int32_t num_layers = 1;
+  strided_view<const T, 2> wo;
 
   std::int64_t batch() const { return keys.extent[0]; }
   std::int64_t kv_heads() const { return keys.extent[1]; }
@@ -97,6 +106,12 @@ inline status validate_layer_inputs(const layer_inputs<T>& in, const typename Po
                                     const budget_request& budget) {
   using Scorer = typename Policy::scorer;
   static_assert(is_storage_type_v<T>, "kvevict: T must be float, half_t or bfloat16_t");
+  static_assert(!std::is_same<typename Policy::selector, selectors::two_stage>::value || scorer_secondary<Scorer>::value,
+                "kvevict: selectors::two_stage (CriticalKV) ranks its second stage by a secondary score row; use it "
+                "with scorers::attention_value_norm (or presets::criticalkv)");
+  static_assert(!scorer_secondary<Scorer>::value || std::is_same<typename Policy::selector, selectors::two_stage>::value,
+                "kvevict: scorers::attention_value_norm computes a secondary row (||v W_O^h||_1) that only "
+                "selectors::two_stage reads; use them together (presets::criticalkv)");
   KVEVICT_TRY(Policy::check(p));
   if (!in.keys.data) return status::error(errc::null_pointer, "keys.data is null");
   KVEVICT_TRY(check_view_strides(in.keys, "keys"));
@@ -147,6 +162,18 @@ inline status validate_layer_inputs(const layer_inputs<T>& in, const typename Po
                            static_cast<long long>(in.wo_factor.extent[0]), static_cast<long long>(in.wo_factor.extent[1]),
                            static_cast<long long>(in.wo_factor.extent[2]), static_cast<long long>(in.q_heads()),
                            static_cast<long long>(in.head_dim()), static_cast<long long>(in.head_dim()));
+  }
+  if (scorer_needs_wo_matrix<Scorer>::value) {
+    if (!in.wo.data)
+      return status::error(errc::null_pointer,
+                           "wo.data is null (scorer %s projects the values through the layer's output projection: set "
+                           "layer_inputs::wo to W_O as (hidden, q_heads * head_dim), [out][in])",
+                           Scorer::name);
+    KVEVICT_TRY(check_view_strides(in.wo, "wo"));
+    if (in.wo.extent[0] < 1 || in.wo.extent[1] != in.q_heads() * in.head_dim())
+      return status::error(errc::shape_mismatch, "wo shape (%lld, %lld) != (hidden >= 1, q_heads * head_dim = %lld)",
+                           static_cast<long long>(in.wo.extent[0]), static_cast<long long>(in.wo.extent[1]),
+                           static_cast<long long>(in.q_heads() * in.head_dim()));
   }
   if (in.lengths.data) {
     KVEVICT_TRY(check_view_strides(in.lengths, "lengths"));

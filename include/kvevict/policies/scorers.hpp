@@ -9,9 +9,15 @@
 //   needs_wo_factor    reads the per-query-head W_O factor R (Hq, D, D) when configured so
 //   window_attention   computes the window attention A (so it can feed adaptive-window drift)
 //   has_scores         false only for `none` (StreamingLLM keeps sinks + recent, no scoring pass)
+// Optional flags (absent = false; read through detail::scorer_secondary / scorer_needs_wo_matrix):
+//   secondary_scores   also writes a second row per query head (attention_value_norm: the
+//                      projected value norms), read by selectors::two_stage
+//   needs_wo_matrix    reads the layer's full output projection layer_inputs::wo
+//                      (hidden, q_heads * head_dim), not the d x d factor
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "kvevict/core/status.hpp"
 
@@ -115,6 +121,35 @@ struct key_norm {
   static status check(const params&) { return {}; }
 };
 
+/// CriticalKV's scorer (Feng et al. 2025, "Identify Critical KV Cache in LLM Inference from an
+/// Output Perturbation Perspective", arXiv 2502.03805). Two rows per query head h:
+///  - primary   a[n] = sum_j c_j A[j, n], the window attention exactly as attention_weight
+///              (SnapKV); the policy's GQA reduction and spatial smoother apply to it, and it is
+///              what budgeters (AdaKV) and stage 1 of selectors::two_stage rank;
+///  - secondary u_h[n] = || v_n W_O^h ||_1 = sum_{c < C} | sum_{i < d} W_O[c, h d + i] v_n[i] |,
+///              the L1 norm of the value projected by query head h's slice of the output
+///              projection to the hidden size C (layer_inputs::wo). Reduced over the GQA group
+///              by the same rule as the primary row (mean by default, as the CriticalKV
+///              reference code averages the G norms), never smoothed.
+/// selectors::two_stage then keeps floor(first_stage_ratio * k) candidates by a and the rest by
+/// (a + eps) * u (docs/criticalkv.md). The L1 norm is not invariant under the d x d QR factor
+/// used by output_reconstruction, so this scorer needs the real W_O slice: cost O(L d C) per
+/// query head (one fp32 GEMM per block of tokens), fp64 accumulation of |y_c|.
+/// Values of extreme magnitude are rescaled by powers of two before the projection, and the norm
+/// saturates at FLT_MAX (never inf or NaN).
+struct attention_value_norm {
+  struct params {};
+  static constexpr const char* name = "attention_value_norm";
+  static constexpr bool needs_queries = true;
+  static constexpr bool needs_values = true;
+  static constexpr bool window_attention = true;
+  static constexpr bool has_scores = true;
+  static constexpr bool secondary_scores = true;
+  static constexpr bool needs_wo_matrix = true;
+  static bool needs_wo_factor(const params&) { return false; }
+  static status check(const params&) { return {}; }
+};
+
 /// No scores: the selector keeps sink and recent tokens only (StreamingLLM, Xiao et al. 2023,
 /// arXiv 2309.17453). No scoring pass runs.
 struct none {
@@ -129,4 +164,21 @@ struct none {
 };
 
 }  // namespace scorers
+
+namespace detail {
+
+/// True when scorer S declares `static constexpr bool secondary_scores = true`.
+template <class S, class = void>
+struct scorer_secondary : std::false_type {};
+template <class S>
+struct scorer_secondary<S, std::void_t<decltype(S::secondary_scores)>> : std::integral_constant<bool, S::secondary_scores> {};
+
+/// True when scorer S declares `static constexpr bool needs_wo_matrix = true` (reads layer_inputs::wo).
+template <class S, class = void>
+struct scorer_needs_wo_matrix : std::false_type {};
+template <class S>
+struct scorer_needs_wo_matrix<S, std::void_t<decltype(S::needs_wo_matrix)>>
+    : std::integral_constant<bool, S::needs_wo_matrix> {};
+
+}  // namespace detail
 }  // namespace kvevict

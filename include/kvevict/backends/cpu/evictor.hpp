@@ -72,7 +72,15 @@ class evictor<Policy, cpu::backend> {
   using Temporal = typename Policy::temporal_smoother;
   using Spatial = typename Policy::spatial_smoother;
   using Budgeter = typename Policy::budgeter;
+  using Selector = typename Policy::selector;
+  /// CriticalKV: the scorer writes a secondary row (||v W_O^h||_1) that selectors::two_stage reads.
+  static constexpr bool has_secondary = kvevict::detail::scorer_secondary<Scorer>::value;
+  static constexpr bool needs_wo_matrix = kvevict::detail::scorer_needs_wo_matrix<Scorer>::value;
+  static constexpr bool is_two_stage = std::is_same<Selector, selectors::two_stage>::value;
 
+  static_assert(has_secondary == is_two_stage,
+                "kvevict: selectors::two_stage and scorers::attention_value_norm (CriticalKV) only work together: the "
+                "selector's second stage reads the scorer's secondary row (use presets::criticalkv)");
   static_assert(!Spatial::needs_attention_drift || Scorer::window_attention,
                 "kvevict: the adaptive-window smoother needs a scorer that computes the window attention");
   static_assert(!Budgeter::needs_scores || Scorer::has_scores,
@@ -171,7 +179,9 @@ class evictor<Policy, cpu::backend> {
   /// @param out        caller-allocated CSR (rows = batch * out_heads(in)); capacity >= max_selected()
   /// @param workspace  at least workspace_size(in) bytes, any alignment is fixed up internally
   /// @param maybe_scores optional fp32 (batch, out_heads, seq): the final (reduced, smoothed)
-  ///                   scores; entries of pass-through heads and protected slots are 0.
+  ///                   scores; entries of pass-through heads and protected slots are 0. With
+  ///                   selectors::two_stage these are the primary (attention) scores, the ones
+  ///                   stage 1 and the budgeter rank.
   /// On error nothing is written to out or maybe_scores.
   template <class T>
   status run(const layer_inputs<T>& in, const budget_request& budget, selection_view out, void* workspace,
@@ -242,7 +252,27 @@ class evictor<Policy, cpu::backend> {
           }
           float* grows = buf.grows + static_cast<std::int64_t>(tid) * Gq * S;
           double* gdrift = buf.gdrift + static_cast<std::int64_t>(tid) * Gq;
-          cpu::detail::score_kv_head<Scorer, Temporal>(job, buf.scratch[tid], grows, gdrift);
+          float* grows2 = has_secondary ? buf.grows2 + static_cast<std::int64_t>(tid) * Gq * S : nullptr;
+          cpu::detail::score_kv_head<Scorer, Temporal>(job, buf.scratch[tid], grows, gdrift, grows2);
+          if constexpr (has_secondary) {  // the secondary rows, reduced by the same GQA rule (never smoothed)
+            if (Gout == Gq) {
+              for (std::int64_t g = 0; g < Gq; ++g)
+                std::copy(grows2 + g * L, grows2 + (g + 1) * L, buf.scores2 + (b * H + h * Gout + g) * S);
+            } else {
+              float* o = buf.scores2 + (b * H + h) * S;
+              for (std::int64_t n = 0; n < L; ++n) {
+                if (p_.gqa == gqa_reduction::max) {
+                  float m = grows2[n];
+                  for (std::int64_t g = 1; g < Gq; ++g) m = std::max(m, grows2[g * L + n]);
+                  o[n] = m;
+                } else {
+                  double sum = 0.0;
+                  for (std::int64_t g = 0; g < Gq; ++g) sum += grows2[g * L + n];
+                  o[n] = static_cast<float>(sum / static_cast<double>(Gq));
+                }
+              }
+            }
+          }
           // GQA reduction into the out rows.
           if (Gout == Gq) {  // per query head (or G == 1)
             for (std::int64_t g = 0; g < Gq; ++g) {
@@ -289,6 +319,15 @@ class evictor<Policy, cpu::backend> {
               buf.drift[b * H + h] = dsum / static_cast<double>(H);
             }
             buf.drift[b * H] = dsum / static_cast<double>(H);
+            if constexpr (has_secondary) {  // the group means of the secondary rows, averaged the same way
+              float* u0 = buf.scores2 + (b * H) * S;
+              for (std::int64_t n = 0; n < L; ++n) {
+                double sum = 0.0;
+                for (std::int64_t h = 0; h < H; ++h) sum += buf.scores2[(b * H + h) * S + n];
+                u0[n] = static_cast<float>(sum / static_cast<double>(H));
+              }
+              for (std::int64_t h = 1; h < H; ++h) std::copy(u0, u0 + L, buf.scores2 + (b * H + h) * S);
+            }
           }
         }
         cpu::detail::parallel_for(be_, rows, [&](std::int64_t r, int tid) {
@@ -327,8 +366,15 @@ class evictor<Policy, cpu::backend> {
       const std::int64_t b = r / H, hk = (r % H) / Gout;
       std::int32_t* dst = out.indices + buf.offsets[r];
       const float* sc = (Scorer::has_scores && buf.need[r]) ? buf.scores + r * S : nullptr;
-      const std::int64_t n = cpu::detail::select_head(buf.plans[r], buf.budgets[r], sc, dst,
-                                                      buf.idx + static_cast<std::int64_t>(tid) * S);
+      std::int64_t n;
+      if constexpr (is_two_stage) {
+        n = sc ? cpu::detail::select_head_two_stage(buf.plans[r], buf.budgets[r], sc, buf.scores2 + r * S, p_.selector, dst,
+                                                    buf.idx + static_cast<std::int64_t>(tid) * S,
+                                                    buf.tmp + static_cast<std::int64_t>(tid) * S)
+               : cpu::detail::select_head(buf.plans[r], buf.budgets[r], nullptr, dst, buf.idx + static_cast<std::int64_t>(tid) * S);
+      } else {
+        n = cpu::detail::select_head(buf.plans[r], buf.budgets[r], sc, dst, buf.idx + static_cast<std::int64_t>(tid) * S);
+      }
       (void)n;
       if (out.positions) {
         for (std::int64_t i = 0; i < n; ++i)
@@ -375,6 +421,8 @@ class evictor<Policy, cpu::backend> {
     double* pre;
     std::int64_t* dq;
     std::int32_t* idx;
+    float* scores2;  ///< secondary rows (B * out_heads, S), scorers with secondary_scores only
+    float* grows2;   ///< per-thread secondary rows of one GQA group (G, S)
     cpu::detail::head_scratch scratch[256];
   };
 
@@ -408,6 +456,14 @@ class evictor<Policy, cpu::backend> {
       // it runs over B * kv_heads tasks, so at most that many threads exist there.
       const std::int64_t nt_heads = std::min<std::int64_t>(nt, std::max<std::int64_t>(B * in.kv_heads(), 1));
       for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve(c, S, in.window(), in.head_dim(), Gq);
+      if constexpr (has_secondary) {
+        buf.scores2 = c.template carve<float>(static_cast<std::size_t>(rows * S));
+        buf.grows2 = c.template carve<float>(static_cast<std::size_t>(nt * Gq * S));
+      }
+      if constexpr (needs_wo_matrix) {
+        const std::int64_t C = in.wo.data ? in.wo.extent[0] : 0;
+        for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve_projection(c, C, in.head_dim());
+      }
     }
     return buf;
   }
@@ -436,6 +492,14 @@ class evictor<Policy, cpu::backend> {
         *r0 = W - std::min<std::int64_t>(W, in.length(b, hq / G));
         *r1 = W;
       }));
+    }
+    if constexpr (needs_wo_matrix) {
+      const auto& wo = in.wo;
+      for (std::int64_t c = 0; c < wo.extent[0]; ++c)
+        for (std::int64_t i = 0; i < wo.extent[1]; ++i)
+          if (!is_finite_value(wo(c, i)))
+            return status::error(errc::non_finite_input, "wo(%lld, %lld) = %g is not finite", static_cast<long long>(c),
+                                 static_cast<long long>(i), static_cast<double>(to_float(wo(c, i))));
     }
     if (Scorer::needs_wo_factor(p_.scorer)) {
       const auto& f = in.wo_factor;

@@ -62,6 +62,8 @@ struct head_scratch {
   double* st_zo = nullptr;      // w
   std::int32_t* st_arg = nullptr;  // w
   float* st_c = nullptr;        // w (temporal weights)
+  float* wbuf = nullptr;        // C x d   (W_O^h staged, attention_value_norm only)
+  float* pbuf = nullptr;        // value_norm_token_block x C (projected values of a token block)
 
   template <class Carver>
   void carve(Carver& c, std::int64_t cap, std::int64_t w, std::int64_t d, std::int64_t G) {
@@ -84,7 +86,71 @@ struct head_scratch {
     st_arg = c.template carve<std::int32_t>(ws);
     st_c = c.template carve<float>(ws);
   }
+
+  /// Scratch of the projected value norms (scorers with needs_wo_matrix): hidden size C, dim d.
+  template <class Carver>
+  void carve_projection(Carver& c, std::int64_t C, std::int64_t d);
 };
+
+/// Tokens projected to the hidden size per GEMM by value_l1_norms (bounds its scratch to
+/// value_norm_token_block x C floats per thread).
+inline constexpr std::int64_t value_norm_token_block = 64;
+
+template <class Carver>
+void head_scratch::carve_projection(Carver& c, std::int64_t C, std::int64_t d) {
+  wbuf = c.template carve<float>(static_cast<std::size_t>(std::max<std::int64_t>(C, 1) * std::max<std::int64_t>(d, 1)));
+  pbuf = c.template carve<float>(static_cast<std::size_t>(value_norm_token_block * std::max<std::int64_t>(C, 1)));
+}
+
+/// Power-of-two exponent e such that x / 2^e lies in a safe fp32 range for a GEMM (0 when x is
+/// already within [2^-32, 2^32] or zero).
+inline int safe_exponent(float x) {
+  if (!(x > 0.0f) || (x <= 0x1p32f && x >= 0x1p-32f)) return 0;
+  int e;
+  std::frexp(x, &e);
+  return e;
+}
+
+/// x[0, n) *= 2^e, exact for every e in [-300, 300] (the factor is formed in fp64: 2^e alone can
+/// overflow or vanish in fp32 while the products are representable).
+inline void scale_pow2(float* x, std::int64_t n, int e) {
+  const double f = std::ldexp(1.0, e);
+  for (std::int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<double>(x[i]) * f);
+}
+
+/// CriticalKV's secondary score of query head hq (scorers::attention_value_norm):
+///   u[n] = || v_n W_O^hq ||_1 = sum_{c < C} | sum_{i < d} wo(c, hq d + i) v_n[i] |,  n < L.
+/// V: the head's L x d values in fp32, already divided by 2^vexp (vexp from safe_exponent, so the
+/// products cannot overflow). The W_O slice (C x d) is widened to fp32 into s.wbuf and scaled
+/// the same way; the projection runs as fp32 GEMMs of value_norm_token_block tokens into s.pbuf,
+/// |y_c| is summed in fp64, then multiplied back by 2^(vexp + wexp) and saturated to FLT_MAX.
+template <class T>
+inline void value_l1_norms(const layer_inputs<T>& in, std::int64_t hq, const cmap_rm& V, int vexp, head_scratch& s,
+                           float* u) {
+  const std::int64_t L = V.rows(), d = V.cols(), C = in.wo.extent[0];
+  float wmax = 0.0f;
+  for (std::int64_t c = 0; c < C; ++c)
+    for (std::int64_t i = 0; i < d; ++i) {
+      const float x = to_float(in.wo(c, hq * d + i));
+      s.wbuf[c * d + i] = x;
+      wmax = std::max(wmax, std::fabs(x));
+    }
+  const int wexp = safe_exponent(wmax);
+  if (wexp != 0) scale_pow2(s.wbuf, C * d, -wexp);
+  cmap_rm W(s.wbuf, C, d, Eigen::OuterStride<>(d));
+  const double back = std::ldexp(1.0, vexp + wexp);
+  for (std::int64_t n0 = 0; n0 < L; n0 += value_norm_token_block) {
+    const std::int64_t nb = std::min(value_norm_token_block, L - n0);
+    map_rm Y(s.pbuf, nb, C, Eigen::OuterStride<>(C));
+    Y.noalias() = V.middleRows(n0, nb) * W.transpose();
+    for (std::int64_t t = 0; t < nb; ++t) {
+      const float* y = s.pbuf + t * C;
+      double acc = 0.0;
+      for (std::int64_t c = 0; c < C; ++c) acc += std::fabs(static_cast<double>(y[c]));
+      u[n0 + t] = saturate(acc * back);
+    }
+  }
+}
 
 /// Everything the scorer of one KV head needs.
 template <class Policy, class T>
@@ -104,8 +170,11 @@ inline double norm2_d(const float* x, std::int64_t d) {
   return std::sqrt(s);
 }
 
+/// Scores of one (sequence, KV head): `rows` G x L primary scores, `drift` G adaptive-window
+/// statistics, and for scorers with secondary_scores `rows2` G x L secondary scores (else unused).
 template <class Scorer, class Temporal, class Policy, class T>
-void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows /* G x L */, double* drift /* G */) {
+void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows /* G x L */, double* drift /* G */,
+                   float* rows2 = nullptr /* G x L */) {
   const layer_inputs<T>& in = *job.in;
   const auto& P = *job.p;
   const std::int64_t L = job.L, d = in.head_dim(), b = job.b, h = job.h;
@@ -163,6 +232,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
   } else if constexpr (Scorer::window_attention) {
     constexpr bool is_lor = std::is_same<Scorer, scorers::output_reconstruction>::value;
     constexpr bool is_last = std::is_same<Scorer, scorers::last_query>::value;
+    constexpr bool is_avn = std::is_same<Scorer, scorers::attention_value_norm>::value;
     const std::int64_t w = job.w;
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
     // Temporal weights c_j over the effective window.
@@ -193,6 +263,20 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
         map_rm vs(s.vbuf, L, d, Eigen::OuterStride<>(d));
         if (V.data() != s.vbuf) vs = V;
         vs /= vscale;
+        new (&V) cmap_rm(s.vbuf, L, d, Eigen::OuterStride<>(d));
+      }
+    }
+    // CriticalKV: the head's values, rescaled by 2^-vexp into a safe range, for value_l1_norms.
+    int vexp = 0;
+    (void)vexp;
+    if constexpr (is_avn) {
+      const T* vbase = in.values.data + b * in.values.stride[0] + h * in.values.stride[1];
+      new (&V) cmap_rm(stage_rows(vbase, L, d, in.values.stride[2], in.values.stride[3], s.vbuf));
+      vexp = safe_exponent(max_abs(V));
+      if (vexp != 0) {
+        map_rm vs(s.vbuf, L, d, Eigen::OuterStride<>(d));
+        if (V.data() != s.vbuf) vs = V;
+        scale_pow2(s.vbuf, L * d, -vexp);
         new (&V) cmap_rm(s.vbuf, L, d, Eigen::OuterStride<>(d));
       }
     }
@@ -440,6 +524,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
           }
         }
         for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(s.abar[n]);
+        if constexpr (is_avn) value_l1_norms(in, hq, V, vexp, s, rows2 + g * L);
       }
       drift[g] = (n_front > 0 && n_rear > 0) ? d_front / static_cast<double>(n_front) - d_rear / static_cast<double>(n_rear) : 0.0;
     }

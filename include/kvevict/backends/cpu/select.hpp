@@ -9,6 +9,7 @@
 #include "kvevict/core/apportion.hpp"
 #include "kvevict/core/budget_rules.hpp"
 #include "kvevict/policies/budgeters.hpp"
+#include "kvevict/policies/selectors.hpp"
 
 namespace kvevict {
 namespace cpu {
@@ -49,6 +50,61 @@ inline std::int64_t select_head(const kvevict::detail::head_plan& h, std::int64_
       std::sort(idx_scratch, idx_scratch + k);
       for (std::int64_t i = 0; i < k; ++i) out[n++] = idx_scratch[i];
     }
+  }
+  for (std::int64_t i = c1; i < L; ++i) out[n++] = static_cast<std::int32_t>(i);
+  return n;
+}
+
+/// CriticalKV's two-stage selection (selectors::two_stage) of a head of length L (plan h) with
+/// `budget`: the protected tokens and pass-through exactly as select_head; then of the k
+/// candidates to keep, k1 = first_stage_count(p, k) by the primary score a (higher first, NaN
+/// last, ties to the lower index) and the other k - k1, among the candidates not taken by stage
+/// 1, by (a + eps) * u formed in fp64 (NaN stays NaN and ranks last, +-inf saturates to
+/// +-FLT_MAX), same order rule. Kept slots ascending in out; returns the count.
+/// a, u: rows of length >= L (primary and secondary scores); idx_scratch: L int32;
+/// comb_scratch: L floats (the stage-2 scores, indexed by slot).
+inline std::int64_t select_head_two_stage(const kvevict::detail::head_plan& h, std::int64_t budget, const float* a,
+                                          const float* u, const selectors::two_stage::params& p, std::int32_t* out,
+                                          std::int32_t* idx_scratch, float* comb_scratch) {
+  const std::int64_t L = h.length;
+  if (h.pass_through || budget >= L) {
+    for (std::int64_t i = 0; i < L; ++i) out[i] = static_cast<std::int32_t>(i);
+    return L;
+  }
+  const std::int64_t c0 = h.sinks, c1 = L - h.recent;  // candidates [c0, c1)
+  std::int64_t k = budget - h.protected_count();
+  if (k < 0) k = 0;
+  if (k > c1 - c0) k = c1 - c0;
+  std::int64_t n = 0;
+  for (std::int64_t i = 0; i < c0; ++i) out[n++] = static_cast<std::int32_t>(i);
+  if (k > 0) {
+    const std::int64_t m = c1 - c0;
+    for (std::int64_t i = 0; i < m; ++i) idx_scratch[i] = static_cast<std::int32_t>(c0 + i);
+    const std::int64_t k1 = selectors::two_stage::first_stage_count(p, k);
+    // Stage 1: the top k1 candidates by a move to idx_scratch[0, k1).
+    if (k1 > 0 && k1 < m) {
+      auto by_a = [a](std::int32_t x, std::int32_t y) { return score_before(a[x], x, a[y], y); };
+      std::nth_element(idx_scratch, idx_scratch + (k1 - 1), idx_scratch + m, by_a);
+    }
+    // Stage 2: the top k - k1 of the rest by (a + eps) * u move to idx_scratch[k1, k).
+    const std::int64_t k2 = k - k1;
+    if (k2 > 0 && k < m) {
+      const double eps = static_cast<double>(p.eps);
+      const double fmax = 3.4028234663852886e38;
+      for (std::int64_t i = k1; i < m; ++i) {
+        const std::int32_t t = idx_scratch[i];
+        double v = (static_cast<double>(a[t]) + eps) * static_cast<double>(u[t]);
+        if (v > fmax) v = fmax;
+        if (v < -fmax) v = -fmax;
+        comb_scratch[t] = static_cast<float>(v);  // NaN stays NaN
+      }
+      auto by_c = [comb_scratch](std::int32_t x, std::int32_t y) {
+        return score_before(comb_scratch[x], x, comb_scratch[y], y);
+      };
+      std::nth_element(idx_scratch + k1, idx_scratch + (k - 1), idx_scratch + m, by_c);
+    }
+    std::sort(idx_scratch, idx_scratch + k);
+    for (std::int64_t i = 0; i < k; ++i) out[n++] = idx_scratch[i];
   }
   for (std::int64_t i = c1; i < L; ++i) out[n++] = static_cast<std::int32_t>(i);
   return n;
