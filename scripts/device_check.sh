@@ -9,6 +9,8 @@
 #      32k, 128k (q_heads 32, kv_heads 8, head_dim 128, window 32, bf16)
 #   5. the same ReST-KV scoring in plain PyTorch (bench/cuda/torch_restkv.py) as baseline:
 #      time and peak-memory ratio (skipped when torch with CUDA is not importable)
+#   6. decode benefit: one decoding step's attention (torch SDPA) over the full 32k cache vs
+#      caches compacted to 2048 / 1024 / 512 tokens (bench/cuda/torch_decode.py)
 # Every step has its own timeout; the script goes on after a failed step and exits non-zero
 # at the end if any step failed. Outputs land in $OUT (or ./device_check_out).
 # Usage: scripts/device_deps.sh (here, once), then through the device tool:
@@ -76,6 +78,7 @@ if [ -x "$BENCH" ]; then
   step bench 150 "$BENCH" --benchmark_out="$OUTDIR/bench.json" --benchmark_out_format=json || true
 fi
 step torch 120 python3 bench/cuda/torch_restkv.py 4096 32768 131072 || true
+step decode 60 python3 bench/cuda/torch_decode.py 32768 2048 1024 512 || true
 
 python3 - "$OUTDIR" <<'EOF'
 import json, os, sys
@@ -83,7 +86,7 @@ out = sys.argv[1]
 try:
     data = json.load(open(os.path.join(out, "bench.json")))["benchmarks"]
 except Exception as e:
-    print("no benchmark results:", e); sys.exit(0)
+    print("no benchmark results:", e); data = []
 bw = None
 rows = []
 for b in data:
@@ -119,6 +122,15 @@ if os.path.exists(tl):
         k = restkv_ms.get(r["seq"])
         if not k: continue
         print(f"{'':28s} {r['seq']:7d} {k[0]:10.3f} {r['ms']:9.3f} {r['ms'] / k[0]:8.1f} {k[1]:10.1f} {r['peak_MB']:9.1f} {r['peak_MB'] / max(k[1], 1e-9):9.1f}")
+dl = os.path.join(out, "decode.log")
+if os.path.exists(dl):
+    print(f"\n{'decode step (torch SDPA)':28s} {'cache':>7s} {'ms':>9s} {'GB/s':>8s} {'speed-up':>8s}")
+    for line in open(dl):
+        line = line.strip()
+        if not line.startswith("{"): continue
+        r = json.loads(line)
+        if "skip" in r: print("decode benchmark skipped:", r["skip"]); break
+        print(f"{'':28s} {r['tokens']:7d} {r['ms']:9.4f} {r['GBps']:8.0f} {r['speedup']:8.1f}")
 EOF
 
 if [ ${#FAILED[@]} -ne 0 ]; then
