@@ -8,6 +8,11 @@
 //                          of cuda::backend), bytes = K + V + Q read once (the minimum traffic),
 //                          ws_MB = workspace
 //   BM_compact/<seq>       dense compaction of K and V with the ReST-KV selection
+//   BM_run_lkv_full/<seq>  one evictor<lkv::full>::run() (learned MLP scorer + learned global
+//                          budgets, no queries, keep fraction 0.25) with a synthetic table of the
+//                          artifact's layout (32 layers x 8 KV heads, head_dim 128, hidden 32,
+//                          silu; layer 31); bytes = K + V read once, GBps over the whole run,
+//                          score_GBps over the scoring stage; tables_MB = device tables
 // Without a device every benchmark reports SkipWithError. scripts/device_check.sh turns the
 // JSON output into the table of docs/cuda.md.
 #include <benchmark/benchmark.h>
@@ -16,6 +21,7 @@
 #include <random>
 #include <vector>
 
+#include "kvevict/backends/cuda/learned.cuh"
 #include "kvevict/cuda.cuh"
 
 namespace kv = kvevict;
@@ -226,6 +232,105 @@ void BM_compact(benchmark::State& state) {
   cudaFree(dv);
 }
 
+/// Synthetic LKV tables of the artifact's layout for the benchmark shapes (seeded).
+kv::io::lkv_artifact bench_lkv_tables(int layers, int hidden) {
+  kv::io::lkv_artifact a;
+  a.version = kv::io::lkv_format_version;
+  a.num_layers = layers;
+  a.kv_heads = kHkv;
+  a.head_dim = kD;
+  a.mlp_hidden = hidden;
+  a.activation = kv::lkv_activation::silu;
+  a.temperature = 1.0f;
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  a.logits.resize(static_cast<std::size_t>(a.heads()));
+  for (auto& x : a.logits) x = 2.0f * u(rng);
+  a.mlp.resize(static_cast<std::size_t>(a.heads() * a.block()));
+  for (auto& x : a.mlp) x = u(rng) * 0.06f;
+  return a;
+}
+
+void BM_run_lkv_full(benchmark::State& state) {
+  if (!have_device()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  using P = kv::lkv::full;
+  constexpr int kLayers = 32, kHidden = 32;
+  const std::int64_t S = state.range(0);
+  device_inputs di(S);
+  if (!di.ok) {
+    state.SkipWithError("input allocation failed");
+    return;
+  }
+  kv::cuda::lkv_device_tables tables;
+  if (!tables.upload(bench_lkv_tables(kLayers, kHidden)).ok()) {
+    state.SkipWithError("table upload failed");
+    return;
+  }
+  auto in = di.views();
+  in.queries = {};  // query-agnostic: no window queries
+  in.wo_factor = {};
+  in.layer_idx = kLayers - 1;
+  in.num_layers = kLayers;
+  const int nev = 6;
+  cudaEvent_t ev[nev];
+  for (auto& e : ev) cudaEventCreate(&e);
+  kv::cuda::backend be;
+  be.stage_events = ev;
+  be.num_stage_events = nev;
+  kv::evictor<P, kv::cuda::backend> evc(kv::lkv::full_params(tables), be);
+  const auto budget = kv::budget_request::fraction(0.25);
+  const std::int64_t rows = in.batch() * evc.out_heads(in), cap = evc.max_selected(in, budget);
+  const std::size_t wsb = evc.workspace_size(in);
+  std::int32_t *indptr = nullptr, *indices = nullptr;
+  void* ws = nullptr;
+  if (cap < 0 || cudaMalloc(&indptr, (rows + 1) * 4) != cudaSuccess || cudaMalloc(&indices, cap * 4) != cudaSuccess ||
+      cudaMalloc(&ws, wsb) != cudaSuccess) {
+    state.SkipWithError("setup failed");
+    return;
+  }
+  kv::selection_view sel;
+  sel.indptr = indptr;
+  sel.indices = indices;
+  sel.capacity = cap;
+  double stage_ms[nev - 1] = {};
+  kv::status st = evc.run(in, budget, sel, ws, wsb);  // warm-up
+  cudaDeviceSynchronize();
+  for (auto _ : state) {
+    st = evc.run(in, budget, sel, ws, wsb);
+    cudaEventSynchronize(ev[nev - 1]);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, ev[0], ev[nev - 1]);
+    state.SetIterationTime(ms / 1e3);
+    for (int i = 1; i < nev; ++i) {
+      float m = 0.0f;
+      cudaEventElapsedTime(&m, ev[i - 1], ev[i]);
+      stage_ms[i - 1] += m;
+    }
+  }
+  if (!st.ok()) state.SkipWithError(st.message());
+  const kv::status dev = kv::cuda::read_device_status(evc.device_status_ptr(ws));
+  if (!dev.ok()) state.SkipWithError(dev.message());
+  std::int32_t kept = 0;
+  cudaMemcpy(&kept, indptr + rows, 4, cudaMemcpyDeviceToHost);
+  const char* names[nev - 1] = {"plan_ms", "score_ms", "reduce_smooth_ms", "budget_ms", "select_ms"};
+  for (int i = 0; i < nev - 1; ++i) state.counters[names[i]] = stage_ms[i] / static_cast<double>(state.iterations());
+  const double kv_bytes = 2.0 * 2.0 * kB * kHkv * static_cast<double>(S) * kD;  // K + V, bf16, read once
+  state.counters["bytes"] = kv_bytes;
+  state.counters["ws_MB"] = static_cast<double>(wsb) / 1e6;
+  state.counters["tables_MB"] = static_cast<double>(tables.bytes()) / 1e6;
+  state.counters["kept_frac"] = static_cast<double>(kept) / (static_cast<double>(rows) * static_cast<double>(S));
+  state.counters["GBps"] = benchmark::Counter(kv_bytes * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  const double score_ms = stage_ms[1] / static_cast<double>(state.iterations());
+  state.counters["score_GBps"] = score_ms > 0.0 ? kv_bytes / (score_ms / 1e3) / 1e9 : 0.0;
+  for (auto& e : ev) cudaEventDestroy(e);
+  cudaFree(indptr);
+  cudaFree(indices);
+  cudaFree(ws);
+}
+
 }  // namespace
 
 BENCHMARK(BM_d2d_copy)->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(20);
@@ -235,6 +340,7 @@ BENCHMARK_TEMPLATE(BM_run, kv::presets::snapkv)->Name("BM_run/snapkv")->Arg(4096
     ->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(10);
 BENCHMARK_TEMPLATE(BM_run, kv::presets::key_norm)->Name("BM_run/key_norm")->Arg(4096)->Arg(32768)->Arg(131072)
     ->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(10);
+BENCHMARK(BM_run_lkv_full)->Arg(4096)->Arg(32768)->Arg(131072)->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(10);
 BENCHMARK(BM_compact)->Arg(4096)->Arg(32768)->Arg(131072)->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(10);
 
 BENCHMARK_MAIN();

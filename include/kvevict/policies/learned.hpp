@@ -16,7 +16,12 @@
 //
 // Both hold only plain parameters (non-owning pointers into the artifact) and backend-neutral
 // math; the CPU loops live in kvevict/backends/cpu/learned.hpp (include that header, or
-// kvevict/cpu.hpp plus it, to use them with evictor<..., cpu::backend>).
+// kvevict/cpu.hpp plus it, to use them with evictor<..., cpu::backend>), the CUDA kernels in
+// kvevict/backends/cuda/*.cuh (include kvevict/backends/cuda/learned.cuh; the tables must be
+// device memory, params.on_device = true, see cuda::lkv_device_tables). The budget arithmetic
+// after the softmax (lkv_water_fill_ratios, headwise_learned::layer_slice and its steps) is
+// host-device code run by both backends; the softmax itself (lkv_ratios, std::exp) runs on the
+// host only, so both backends water-fill the same doubles and get bit-identical budgets.
 #pragma once
 
 #include <cmath>
@@ -35,29 +40,14 @@ enum class lkv_activation : int { silu = 0, relu = 1 };
 
 namespace detail {
 
-/// LKV-H water-filling apportionment over n heads (spec lkv.md "Budgets").
-///
-/// logits     fp32 (n): the learned z_n, in (layer, KV head) row-major order
-/// temperature > 0: r = softmax(z / temperature), computed in fp64 (max-subtracted, std::exp)
-/// total      integer budget to distribute (B_total), 0 <= total <= n * cap
-/// cap        per-head maximum (t, the head length)
-/// floor_each per-head minimum, 0 <= floor_each <= cap (the protected tokens, or min_budget;
-///            0 in the paper's setting). It is given first; the rest, total - n * floor_each,
-///            is shared by r.
-/// out        int64 (n): budgets with floor_each <= out <= cap and sum(out) == total.
-/// Rule: beta_n = r_n * rest; heads with beta_n > cap - floor_each are clipped to it and their
-/// excess handed to the unclipped heads in proportion to r (repeat until nothing clips); then
-/// floor, and the remaining units go to the largest fractional parts, ties to the lower head
-/// index (detail::apportion). Deterministic. Returns false (out untouched) when the arguments
-/// violate the ranges above.
-inline bool lkv_water_fill(const float* logits, std::int64_t n, double temperature, std::int64_t total, std::int64_t cap,
-                           std::int64_t floor_each, std::int64_t* out) {
-  if (n < 1 || !(temperature > 0.0) || cap < 0 || floor_each < 0 || floor_each > cap || total < n * floor_each ||
-      total > n * cap)
-    return false;
-  std::vector<double> r(static_cast<std::size_t>(n)), share(static_cast<std::size_t>(n));
-  std::vector<std::int64_t> capv(static_cast<std::size_t>(n), cap - floor_each);
-  std::vector<unsigned char> clipped(static_cast<std::size_t>(n), 0);
+/// LKV-H ratios r = softmax(z / temperature) over n logits, fp64: z_i = double(logits[i]) /
+/// temperature, max-subtracted, std::exp, then r_i = e_i / sum(e) (sum in index order).
+/// HOST only (std::exp): the CUDA backend gets r precomputed by this function (see
+/// cuda::lkv_device_tables), so every backend water-fills the very same doubles.
+/// Returns false (r untouched after the first bad entry) when n < 1, temperature <= 0 or a
+/// z_i is not finite.
+inline bool lkv_ratios(const float* logits, std::int64_t n, double temperature, double* r) {
+  if (n < 1 || !(temperature > 0.0)) return false;
   double zmax = -1e300;
   for (std::int64_t i = 0; i < n; ++i) {
     const double z = static_cast<double>(logits[i]) / temperature;
@@ -65,34 +55,107 @@ inline bool lkv_water_fill(const float* logits, std::int64_t n, double temperatu
     if (z > zmax) zmax = z;
   }
   double zsum = 0.0;
-  for (std::int64_t i = 0; i < n; ++i) zsum += (r[static_cast<std::size_t>(i)] = std::exp(static_cast<double>(logits[i]) / temperature - zmax));
-  for (std::int64_t i = 0; i < n; ++i) r[static_cast<std::size_t>(i)] /= zsum;
+  for (std::int64_t i = 0; i < n; ++i) zsum += (r[i] = std::exp(static_cast<double>(logits[i]) / temperature - zmax));
+  for (std::int64_t i = 0; i < n; ++i) r[i] /= zsum;
+  return true;
+}
+
+/// Caller scratch of lkv_water_fill_ratios for n heads (no allocation; host or device memory).
+struct lkv_fill_scratch {
+  double* share = nullptr;           ///< n
+  std::int64_t* capv = nullptr;      ///< n
+  unsigned char* clipped = nullptr;  ///< n
+};
+
+/// LKV-H water-filling apportionment over n heads from given ratios (spec lkv.md "Budgets").
+/// Host and device; only +, -, *, / and floor in fp64 (IEEE-exact on every backend, and no
+/// multiply-add a compiler could contract), so the CPU and CUDA backends give bit-identical
+/// budgets for the same r.
+///
+/// r          fp64 (n): ratios, r_i >= 0, sum 1 (lkv_ratios)
+/// total      integer budget to distribute (B_total), n * floor_each <= total <= n * cap
+/// cap        per-head maximum (t, the head length), >= 0
+/// floor_each per-head minimum, 0 <= floor_each <= cap (the protected tokens, or min_budget;
+///            0 in the paper's setting). It is given first; the rest, total - n * floor_each,
+///            is shared by r.
+/// out        int64 (n): budgets with floor_each <= out <= cap and sum(out) == total.
+/// s          scratch for n heads.
+/// Rule: beta_n = r_n * rest; heads with beta_n > cap - floor_each are clipped to it and their
+/// excess handed to the unclipped heads in proportion to r (repeat until nothing clips); then
+/// floor, and the remaining units go to the largest fractional parts, ties to the lower head
+/// index (detail::apportion). Deterministic. Cost: O(n) per clipping round + apportion's
+/// O(n^2) worst case. Returns false (out untouched) when the arguments violate the ranges.
+KVEVICT_HOST_DEVICE inline bool lkv_water_fill_shares(const double* r, std::int64_t n, std::int64_t total, std::int64_t cap,
+                                                      std::int64_t floor_each, const lkv_fill_scratch& s);
+
+KVEVICT_HOST_DEVICE inline bool lkv_water_fill_ratios(const double* r, std::int64_t n, std::int64_t total, std::int64_t cap,
+                                                      std::int64_t floor_each, std::int64_t* out, const lkv_fill_scratch& s) {
+  if (!lkv_water_fill_shares(r, n, total, cap, floor_each, s)) return false;
+  apportion(s.share, s.capv, n, total - n * floor_each, out);
+  for (std::int64_t i = 0; i < n; ++i) out[i] += floor_each;
+  return true;
+}
+
+/// The first part of lkv_water_fill_ratios: the real-valued shares (s.share) of the units
+/// above the floor, total - n * floor_each, and the caps (s.capv = cap - floor_each); the
+/// integer budgets are then floor_each + apportion(s.share, s.capv, n, total - n * floor_each).
+/// A backend may run that apportionment its own way if it gives apportion's result bit for
+/// bit (the CUDA plan kernel does it with a whole block). Returns false on bad ranges.
+KVEVICT_HOST_DEVICE inline bool lkv_water_fill_shares(const double* r, std::int64_t n, std::int64_t total, std::int64_t cap,
+                                                      std::int64_t floor_each, const lkv_fill_scratch& s) {
+  if (n < 1 || cap < 0 || floor_each < 0 || floor_each > cap || total < n * floor_each || total > n * cap) return false;
+  double* share = s.share;
+  std::int64_t* capv = s.capv;
+  unsigned char* clipped = s.clipped;
+  for (std::int64_t i = 0; i < n; ++i) {
+    capv[i] = cap - floor_each;
+    clipped[i] = 0;
+  }
   const double room = static_cast<double>(cap - floor_each);
   double rest = static_cast<double>(total - n * floor_each);
   for (;;) {
     double rsum = 0.0;
     for (std::int64_t i = 0; i < n; ++i)
-      if (!clipped[static_cast<std::size_t>(i)]) rsum += r[static_cast<std::size_t>(i)];
+      if (!clipped[i]) rsum += r[i];
     bool any = false;
     for (std::int64_t i = 0; i < n; ++i) {
-      const std::size_t k = static_cast<std::size_t>(i);
-      if (clipped[k]) continue;
-      share[k] = rsum > 0.0 ? r[k] / rsum * rest : 0.0;
-      if (share[k] > room) any = true;
+      if (clipped[i]) continue;
+      share[i] = rsum > 0.0 ? r[i] / rsum * rest : 0.0;
+      if (share[i] > room) any = true;
     }
     if (!any) break;
     for (std::int64_t i = 0; i < n; ++i) {
-      const std::size_t k = static_cast<std::size_t>(i);
-      if (!clipped[k] && share[k] > room) {
-        clipped[k] = 1;
-        share[k] = room;
+      if (!clipped[i] && share[i] > room) {
+        clipped[i] = 1;
+        share[i] = room;
         rest -= room;
       }
     }
   }
-  apportion(share.data(), capv.data(), n, total - n * floor_each, out);
-  for (std::int64_t i = 0; i < n; ++i) out[i] += floor_each;
   return true;
+}
+
+/// LKV-H water-filling from the logits (host): lkv_ratios, then lkv_water_fill_ratios.
+///
+/// logits     fp32 (n): the learned z_n, in (layer, KV head) row-major order
+/// temperature > 0: r = softmax(z / temperature), computed in fp64 (max-subtracted, std::exp)
+/// total, cap, floor_each, out: as lkv_water_fill_ratios.
+/// Allocates four O(n) vectors. Returns false (out untouched) when the arguments violate the
+/// ranges above or a logit is not finite.
+inline bool lkv_water_fill(const float* logits, std::int64_t n, double temperature, std::int64_t total, std::int64_t cap,
+                           std::int64_t floor_each, std::int64_t* out) {
+  if (n < 1 || !(temperature > 0.0) || cap < 0 || floor_each < 0 || floor_each > cap || total < n * floor_each ||
+      total > n * cap)
+    return false;
+  std::vector<double> r(static_cast<std::size_t>(n)), share(static_cast<std::size_t>(n));
+  std::vector<std::int64_t> capv(static_cast<std::size_t>(n));
+  std::vector<unsigned char> clipped(static_cast<std::size_t>(n));
+  if (!lkv_ratios(logits, n, temperature, r.data())) return false;
+  lkv_fill_scratch s;
+  s.share = share.data();
+  s.capv = capv.data();
+  s.clipped = clipped.data();
+  return lkv_water_fill_ratios(r.data(), n, total, cap, floor_each, out, s);
 }
 
 }  // namespace detail
@@ -112,6 +175,12 @@ namespace budgeters {
 ///                equal over the heads of a sequence (prefill). Set it (>= every length) for
 ///                decoding "mode B" where t counts all tokens seen; budgets are then capped by
 ///                each head's length at selection time.
+///   on_device    false (default): logits is host memory (CPU backend). true: the tables are
+///                DEVICE memory for the CUDA backend (cuda::lkv_device_tables sets this);
+///                host code then never reads them, and the CPU backend refuses the params.
+///   ratios       on_device only: fp64 (num_layers * kv_heads) device copy of
+///                r = detail::lkv_ratios(logits, temperature), computed on the host, so the
+///                device water-fills the same doubles as the CPU.
 /// Budget: R = budget_request::keep_fraction, B_total = floor(R * (N * t)) (fp64), N =
 /// num_layers * kv_heads; with keep_tokens B instead, B_total = N * min(B, t). Each head first
 /// gets its protected tokens (sinks + recent window of the selector; 0 with num_recent = 0 as
@@ -121,8 +190,10 @@ namespace budgeters {
 /// Heads the plan marks pass-through (length <= base budget) keep everything.
 /// When the protected tokens of all heads exceed B_total, every head keeps exactly its
 /// protected tokens (as with the uniform budgeter).
-/// Errors: null logits, non-positive shape, temperature <= 0 or not finite, non-finite logit,
-/// shape different from the layer inputs, unequal head lengths with num_tokens = 0.
+/// Errors: null logits (or null ratios with on_device), non-positive shape, temperature <= 0
+/// or not finite, non-finite logit (host tables), shape different from the layer inputs,
+/// unequal head lengths with num_tokens = 0 (CUDA: device status word), device tables on the
+/// CPU backend.
 struct headwise_learned {
   struct params {
     const float* logits = nullptr;
@@ -131,6 +202,8 @@ struct headwise_learned {
     float temperature = 1.0f;
     std::int32_t min_budget = 0;
     std::int64_t num_tokens = 0;
+    bool on_device = false;
+    const double* ratios = nullptr;
   };
   static constexpr const char* name = "headwise_learned";
   static constexpr bool needs_scores = false;
@@ -146,6 +219,11 @@ struct headwise_learned {
     if (p.min_budget < 0) return status::error(errc::invalid_argument, "budgeter.min_budget = %d must be >= 0", p.min_budget);
     if (p.num_tokens < 0)
       return status::error(errc::invalid_argument, "budgeter.num_tokens = %lld must be >= 0", static_cast<long long>(p.num_tokens));
+    if (p.on_device) {  // device tables: not readable here (their values were checked on upload)
+      if (!p.ratios)
+        return status::error(errc::null_pointer, "budgeter.ratios is null with budgeter.on_device = true (use cuda::lkv_device_tables)");
+      return {};
+    }
     const std::int64_t n = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;
     for (std::int64_t i = 0; i < n; ++i)
       if (!std::isfinite(p.logits[i]))
@@ -154,34 +232,167 @@ struct headwise_learned {
     return {};
   }
 
+  /// Host-table check of the CPU entry points (check() plus: the tables are host memory).
+  static status check_host(const params& p) {
+    KVEVICT_TRY(check(p));
+    if (p.on_device)
+      return status::error(errc::invalid_argument,
+                           "budgeter.on_device = true: the tables are device memory; the CPU needs host tables (io::budgeter_params)");
+    return {};
+  }
+
   /// B_total for N heads of t tokens (see the struct comment). fp64: floor(R * (N * t)).
-  static std::int64_t total_budget(const budget_request& req, std::int64_t n_heads, std::int64_t t) {
+  KVEVICT_HOST_DEVICE static std::int64_t total_budget(const budget_request& req, std::int64_t n_heads, std::int64_t t) {
     if (req.keep_tokens > 0) return n_heads * (req.keep_tokens < t ? static_cast<std::int64_t>(req.keep_tokens) : t);
     return static_cast<std::int64_t>(std::floor(req.keep_fraction * static_cast<double>(n_heads * t)));
   }
 
-  /// The whole model's allocation: out (num_layers * kv_heads) budgets for t tokens per head,
-  /// each head holding at least floor_each (protected tokens / min_budget).
-  static status global_budgets(const params& p, const budget_request& req, std::int64_t t, std::int64_t floor_each,
-                               std::int64_t* out) {
-    KVEVICT_TRY(check(p));
+  /// The whole model's allocation from the ratios (host and device; the shared core of
+  /// global_budgets and the per-layer hooks of both backends): out (n = num_layers * kv_heads)
+  /// budgets for t >= 0 tokens per head, each at least min(max(floor_each, min_budget), t).
+  /// Returns false when the water-filling arguments are out of range.
+  KVEVICT_HOST_DEVICE static bool global_from_ratios(const params& p, const double* ratios, const budget_request& req, std::int64_t t,
+                                                     std::int64_t floor_each, std::int64_t* out, const detail::lkv_fill_scratch& s) {
     const std::int64_t n = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;
-    if (t < 0) return status::error(errc::invalid_argument, "t = %lld must be >= 0", static_cast<long long>(t));
     std::int64_t fl = floor_each > p.min_budget ? floor_each : p.min_budget;
     if (fl > t) fl = t;
     std::int64_t total = total_budget(req, n, t);
     if (total < n * fl) total = n * fl;  // protected tokens are kept by rule
-    if (!detail::lkv_water_fill(p.logits, n, static_cast<double>(p.temperature), total, t, fl, out))
+    return detail::lkv_water_fill_ratios(ratios, n, total, t, fl, out, s);
+  }
+
+  /// The whole model's allocation: out (num_layers * kv_heads) budgets for t tokens per head,
+  /// each head holding at least floor_each (protected tokens / min_budget). Host tables only.
+  static status global_budgets(const params& p, const budget_request& req, std::int64_t t, std::int64_t floor_each,
+                               std::int64_t* out) {
+    KVEVICT_TRY(check_host(p));
+    const std::int64_t n = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;
+    if (t < 0) return status::error(errc::invalid_argument, "t = %lld must be >= 0", static_cast<long long>(t));
+    std::vector<double> r(static_cast<std::size_t>(n)), share(static_cast<std::size_t>(n));
+    std::vector<std::int64_t> capv(static_cast<std::size_t>(n));
+    std::vector<unsigned char> clipped(static_cast<std::size_t>(n));
+    detail::lkv_fill_scratch s;
+    s.share = share.data();
+    s.capv = capv.data();
+    s.clipped = clipped.data();
+    if (!detail::lkv_ratios(p.logits, n, static_cast<double>(p.temperature), r.data()) ||
+        !global_from_ratios(p, r.data(), req, t, floor_each, out, s)) {
+      std::int64_t fl = floor_each > p.min_budget ? floor_each : p.min_budget;
+      if (fl > t) fl = t;
+      std::int64_t total = total_budget(req, n, t);
+      if (total < n * fl) total = n * fl;
       return status::error(errc::invalid_argument, "headwise_learned: cannot apportion total = %lld over %lld heads of t = %lld",
                            static_cast<long long>(total), static_cast<long long>(n), static_cast<long long>(t));
+    }
     return {};
+  }
+
+  /// Result codes of layer_slice().
+  enum slice_result : int { slice_ok = 0, slice_unequal_lengths = 1, slice_cannot_apportion = 2 };
+
+  /// What layer_slice() decides before the water-filling (host and device). Plain data (no
+  /// initialisers: it may live in CUDA shared memory); slice_begin() sets every field.
+  struct slice_state {
+    int rc;
+    bool all_pass;       ///< every row passes through: budgets = lengths, no allocation
+    std::int64_t n;      ///< heads of the model, num_layers * kv_heads
+    std::int64_t t;      ///< tokens per head the allocation is made for
+    std::int64_t fl;     ///< per-head floor: min(max(protected, min_budget), t)
+    std::int64_t total;  ///< B_total, raised to n * fl
+  };
+
+  /// Step 1 of layer_slice(): t, the floor, B_total, or an error code (bad as layer_slice()).
+  KVEVICT_HOST_DEVICE static slice_state slice_begin(const params& p, const budget_request& req, const detail::head_plan* plans,
+                                                     std::int64_t rows, std::int64_t* bad) {
+    slice_state st;
+    st.rc = slice_ok;
+    st.all_pass = false;
+    st.n = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;
+    st.t = 0;
+    st.fl = 0;
+    st.total = 0;
+    std::int64_t t = p.num_tokens;
+    if (t == 0) {
+      t = plans[0].length;
+      for (std::int64_t h = 1; h < rows; ++h)
+        if (plans[h].length != t) {
+          bad[0] = h;
+          bad[1] = plans[h].length;
+          bad[2] = t;
+          st.rc = slice_unequal_lengths;
+          return st;
+        }
+    }
+    st.t = t;
+    std::int64_t prot = 0;
+    bool all_pass = true;
+    for (std::int64_t h = 0; h < rows; ++h) {
+      if (plans[h].protected_count() > prot) prot = plans[h].protected_count();
+      all_pass = all_pass && plans[h].pass_through;
+    }
+    st.all_pass = all_pass;
+    std::int64_t fl = prot > p.min_budget ? prot : p.min_budget;
+    if (fl > t) fl = t;
+    st.fl = fl;
+    std::int64_t total = total_budget(req, st.n, t);
+    if (total < st.n * fl) total = st.n * fl;  // protected tokens are kept by rule
+    st.total = total;
+    return st;
+  }
+
+  /// Step 2: the water-filled shares into s (detail::lkv_water_fill_shares); false (bad =
+  /// {total, n, t}) when they cannot be formed. Step 3 is apportion(s.share, s.capv, n,
+  /// total - n * fl, all) (or a backend's bit-identical equivalent).
+  KVEVICT_HOST_DEVICE static bool slice_shares(const slice_state& st, const double* ratios, const detail::lkv_fill_scratch& s,
+                                               std::int64_t* bad) {
+    if (detail::lkv_water_fill_shares(ratios, st.n, st.total, st.t, st.fl, s)) return true;
+    bad[0] = st.total;
+    bad[1] = st.n;
+    bad[2] = st.t;
+    return false;
+  }
+
+  /// Step 4: the layer's rows from the apportioned units `all` (n, without the floor).
+  KVEVICT_HOST_DEVICE static void slice_end(const params& p, const slice_state& st, const detail::head_plan* plans, std::int64_t rows,
+                                            int layer, const std::int64_t* all, std::int64_t* budgets) {
+    const std::int64_t G = rows / p.kv_heads;
+    for (std::int64_t h = 0; h < rows; ++h) {
+      const detail::head_plan& pl = plans[h];
+      if (st.all_pass || pl.pass_through) {
+        budgets[h] = pl.length;
+        continue;
+      }
+      const std::int64_t b = all[static_cast<std::int64_t>(layer) * p.kv_heads + h / G] + st.fl;
+      budgets[h] = b < pl.length ? (b > pl.protected_count() ? b : pl.protected_count()) : pl.length;
+    }
+  }
+
+  /// Budgets of the `rows` out rows of one sequence of layer `layer` (host and device; the CPU
+  /// hook layer_budgets runs it, the CUDA plan kernel runs its steps with a block-parallel
+  /// step 3). plans: (rows) head plans, row h covering KV head h / G, G = rows / kv_heads;
+  /// ratios: (N) as lkv_ratios; all: (N) scratch (the model's allocation above the floor); s:
+  /// scratch for N heads. Shapes must have been checked (rows = G * p.kv_heads,
+  /// 0 <= layer < p.num_layers).
+  /// slice_unequal_lengths: num_tokens = 0 and plans[bad[0]].length = bad[1] != plans[0].length
+  /// = bad[2]; slice_cannot_apportion: bad = {total, n, t}. budgets are then unspecified.
+  KVEVICT_HOST_DEVICE static int layer_slice(const params& p, const double* ratios, const budget_request& req,
+                                             const detail::head_plan* plans, std::int64_t rows, int layer, std::int64_t* budgets,
+                                             std::int64_t* all, const detail::lkv_fill_scratch& s, std::int64_t* bad) {
+    const slice_state st = slice_begin(p, req, plans, rows, bad);
+    if (st.rc != slice_ok) return st.rc;
+    if (!st.all_pass) {
+      if (!slice_shares(st, ratios, s, bad)) return slice_cannot_apportion;
+      detail::apportion(s.share, s.capv, st.n, st.total - st.n * st.fl, all);
+    }
+    slice_end(p, st, plans, rows, layer, all, budgets);
+    return slice_ok;
   }
 
   /// Evictor hook (CPU): budgets of the `rows` out rows of one sequence of layer `layer`.
   /// plans: (rows) head plans (row h covers KV head h / (rows / kv_heads)).
   static status layer_budgets(const params& p, const budget_request& req, const detail::head_plan* plans,
                               std::int64_t rows, std::int64_t kv_heads, int layer, int num_layers, std::int64_t* budgets) {
-    KVEVICT_TRY(check(p));
+    KVEVICT_TRY(check_host(p));
     if (num_layers != p.num_layers || kv_heads != p.kv_heads)
       return status::error(errc::shape_mismatch,
                            "budgeter table (num_layers = %d, kv_heads = %d) != layer inputs (num_layers = %d, kv_heads = %lld)",
@@ -189,34 +400,25 @@ struct headwise_learned {
     if (rows < 1 || rows % kv_heads != 0)
       return status::error(errc::invalid_argument, "rows = %lld is not a positive multiple of kv_heads = %lld",
                            static_cast<long long>(rows), static_cast<long long>(kv_heads));
-    const std::int64_t G = rows / kv_heads;
-    std::int64_t t = p.num_tokens;
-    if (t == 0) {
-      t = plans[0].length;
-      for (std::int64_t h = 1; h < rows; ++h)
-        if (plans[h].length != t)
-          return status::error(errc::invalid_argument,
-                               "headwise_learned: head lengths differ (%lld vs %lld) in layer %d; set budgeter.num_tokens",
-                               static_cast<long long>(plans[h].length), static_cast<long long>(t), layer);
-    }
-    std::int64_t prot = 0;
-    bool all_pass = true;
-    for (std::int64_t h = 0; h < rows; ++h) {
-      if (plans[h].protected_count() > prot) prot = plans[h].protected_count();
-      all_pass = all_pass && plans[h].pass_through;
-    }
-    if (all_pass) {
-      for (std::int64_t h = 0; h < rows; ++h) budgets[h] = plans[h].length;
-      return {};
-    }
     const std::int64_t n = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;
-    std::vector<std::int64_t> all(static_cast<std::size_t>(n));
-    KVEVICT_TRY(global_budgets(p, req, t, prot, all.data()));
-    for (std::int64_t h = 0; h < rows; ++h) {
-      const std::int64_t b = all[static_cast<std::size_t>(layer * p.kv_heads + h / G)];
-      if (plans[h].pass_through) budgets[h] = plans[h].length;
-      else budgets[h] = b < plans[h].length ? (b > plans[h].protected_count() ? b : plans[h].protected_count()) : plans[h].length;
-    }
+    std::vector<double> r(static_cast<std::size_t>(n)), share(static_cast<std::size_t>(n));
+    std::vector<std::int64_t> capv(static_cast<std::size_t>(n)), all(static_cast<std::size_t>(n));
+    std::vector<unsigned char> clipped(static_cast<std::size_t>(n));
+    if (!detail::lkv_ratios(p.logits, n, static_cast<double>(p.temperature), r.data()))
+      return status::error(errc::invalid_argument, "headwise_learned: logits / temperature give no finite softmax");
+    detail::lkv_fill_scratch s;
+    s.share = share.data();
+    s.capv = capv.data();
+    s.clipped = clipped.data();
+    std::int64_t bad[3] = {0, 0, 0};
+    const int rc = layer_slice(p, r.data(), req, plans, rows, layer, budgets, all.data(), s, bad);
+    if (rc == slice_unequal_lengths)
+      return status::error(errc::invalid_argument,
+                           "headwise_learned: head lengths differ (%lld vs %lld) in layer %d; set budgeter.num_tokens",
+                           static_cast<long long>(bad[1]), static_cast<long long>(bad[2]), layer);
+    if (rc == slice_cannot_apportion)
+      return status::error(errc::invalid_argument, "headwise_learned: cannot apportion total = %lld over %lld heads of t = %lld",
+                           static_cast<long long>(bad[0]), static_cast<long long>(bad[1]), static_cast<long long>(bad[2]));
     return {};
   }
 };
@@ -238,8 +440,11 @@ namespace scorers {
 ///   num_layers, kv_heads, head_dim, hidden: the table shape (head_dim must match the K/V).
 ///   activation silu (x * sigmoid(x)) or relu.
 ///   layer      which layer's MLPs to use; -1 (default): the layer_inputs' layer_idx.
+///   on_device  false (default): weights is host memory (CPU backend). true: weights is DEVICE
+///              memory for the CUDA backend (cuda::lkv_device_tables sets this); the CPU
+///              backend then refuses the params (check_layer).
 /// Errors (check / check_layer): null weights, non-positive shape, layer out of range, a K/V
-/// shape different from the table.
+/// shape different from the table, device weights on the CPU backend.
 struct learned_mlp {
   struct params {
     const float* weights = nullptr;
@@ -249,6 +454,7 @@ struct learned_mlp {
     std::int32_t hidden = 0;
     lkv_activation activation = lkv_activation::silu;
     std::int32_t layer = -1;
+    bool on_device = false;
   };
   static constexpr const char* name = "learned_mlp";
   static constexpr bool needs_queries = false;
@@ -273,8 +479,18 @@ struct learned_mlp {
     return {};
   }
 
-  /// Shape check against one layer's inputs (called by the CPU evictor's can_implement).
+  /// Shape check against one layer's inputs (called by the CPU evictor's can_implement; the
+  /// CPU reads the weights on the host, so device weights are refused here).
   static status check_layer(const params& p, std::int64_t kv_heads, std::int64_t head_dim, int layer_idx, int num_layers) {
+    if (p.on_device)
+      return status::error(errc::invalid_argument,
+                           "scorer.on_device = true: the weights are device memory; the CPU needs host weights (io::scorer_params)");
+    return check_layer_shape(p, kv_heads, head_dim, layer_idx, num_layers);
+  }
+
+  /// The shape part of check_layer (both backends): table (kv_heads, head_dim) == K/V, the
+  /// layer used is a table row.
+  static status check_layer_shape(const params& p, std::int64_t kv_heads, std::int64_t head_dim, int layer_idx, int num_layers) {
     if (kv_heads != p.kv_heads || head_dim != p.head_dim)
       return status::error(errc::shape_mismatch, "scorer table (kv_heads = %d, head_dim = %d) != K/V (kv_heads = %lld, head_dim = %lld)",
                            p.kv_heads, p.head_dim, static_cast<long long>(kv_heads), static_cast<long long>(head_dim));

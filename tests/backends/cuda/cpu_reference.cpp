@@ -1,6 +1,7 @@
 // CPU reference runs for test_cuda (see cpu_reference.hpp).
 #include "cpu_reference.hpp"
 
+#include "kvevict/backends/cpu/learned.hpp"
 #include "kvevict/cpu.hpp"
 
 namespace kvevict_test {
@@ -44,5 +45,22 @@ KVEVICT_TEST_INST(kvevict::presets::tova)
 KVEVICT_TEST_INST(kvevict::presets::streaming_llm)
 KVEVICT_TEST_INST(kvevict::presets::key_norm)
 KVEVICT_TEST_INST(maxpool_policy)
+KVEVICT_TEST_INST(kvevict::lkv::full)
+template cpu_result cpu_run<kvevict::lkv::uniform_budgets, kvevict::bfloat16_t>(const kvevict::layer_inputs<kvevict::bfloat16_t>&,
+                                                                                const kvevict::lkv::uniform_budgets::params&,
+                                                                                kvevict::budget_request);
+template cpu_result cpu_run<kvevict::lkv::budgets_restkv, float>(const kvevict::layer_inputs<float>&,
+                                                                 const kvevict::lkv::budgets_restkv::params&, kvevict::budget_request);
+template cpu_result cpu_run<kvevict::lkv::budgets_attention, kvevict::half_t>(const kvevict::layer_inputs<kvevict::half_t>&,
+                                                                             const kvevict::lkv::budgets_attention::params&,
+                                                                             kvevict::budget_request);
+
+std::vector<double> lkv_full_defaults_cpu() {
+  const auto p = kvevict::lkv::full::defaults();
+  return {static_cast<double>(p.selector.num_sink), static_cast<double>(p.selector.num_recent),
+          static_cast<double>(p.selector.recent_share), p.check_finite ? 1.0 : 0.0, static_cast<double>(static_cast<int>(p.gqa)),
+          static_cast<double>(p.scorer.layer), static_cast<double>(p.budgeter.min_budget), static_cast<double>(p.budgeter.temperature),
+          static_cast<double>(sizeof(kvevict::lkv::full::params))};
+}
 
 }  // namespace kvevict_test

@@ -60,6 +60,8 @@ enum class device_check : std::int32_t {
   capacity = 4,            ///< selection.capacity = a0 < kept tokens = a1 (nothing written to indices)
   compact_index = 5,       ///< compaction: index a1 of row a0 outside [0, a2) or not ascending
   compact_capacity = 6,    ///< compaction: row a0 keeps a1 tokens > dst capacity a2
+  lkv_lengths = 7,         ///< headwise_learned, num_tokens = 0: sequence a0 has length a2 in out row a1 != a3 in row 0
+  lkv_apportion = 8,       ///< headwise_learned: sequence a0 cannot apportion total a1 over a2 heads of t = a3
 };
 
 /// Build a host-side status from a device status word copied to the host.
@@ -85,6 +87,14 @@ inline status to_status(const device_status& s) {
       return status::error(e, "compact: selection index %d of row %d is outside [0, %d) or not ascending", s.a1, s.a0, s.a2);
     case device_check::compact_capacity:
       return status::error(e, "compact: row %d keeps %d tokens > dst capacity %d", s.a0, s.a1, s.a2);
+    case device_check::lkv_lengths:
+      return status::error(e,
+                           "headwise_learned: head lengths differ in sequence %d (%d in out row %d vs %d in row 0; checked on the "
+                           "device); set budgeter.num_tokens",
+                           s.a0, s.a2, s.a1, s.a3);
+    case device_check::lkv_apportion:
+      return status::error(e, "headwise_learned: sequence %d cannot apportion total = %d over %d heads of t = %d (checked on the device)",
+                           s.a0, s.a1, s.a2, s.a3);
     default: break;
   }
   return status::error(e, "device status check %d (%d, %d, %d, %d)", s.check, s.a0, s.a1, s.a2, s.a3);

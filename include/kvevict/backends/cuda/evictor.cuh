@@ -12,6 +12,7 @@
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/workspace.hpp"
 #include "kvevict/evictor.hpp"
+#include "kvevict/policies/learned.hpp"
 
 namespace kvevict {
 
@@ -27,8 +28,11 @@ namespace kvevict {
 ///  - max_selected() is an upper bound from the shapes, not the exact count:
 ///    batch * out_heads * min(seq, per-head bound), the per-head bound being the base budget B
 ///    (uniform, AdaKV: AdaKV moves budget between heads but keeps each sequence's total at most
-///    out_heads * B) or 2B + 1 (PyramidKV's largest layer). The exact kept count of row r is
-///    indptr[r+1] - indptr[r], computed on the device (CUB DeviceScan).
+///    out_heads * B), 2B + 1 (PyramidKV's largest layer) or seq (LKV-H: a head can get its whole
+///    length t). The exact kept count of row r is indptr[r+1] - indptr[r], computed on the
+///    device (CUB DeviceScan).
+///  - LKV (scorers::learned_mlp, budgeters::headwise_learned) needs its tables in device memory
+///    (params.on_device = true, e.g. from cuda::lkv_device_tables, kvevict/backends/cuda/learned.cuh).
 /// Supported: head_dim <= 256, batch * q_heads <= 65535, the built-in scorers and smoothers.
 template <class Policy>
 class evictor<Policy, cuda::backend> {
@@ -46,9 +50,11 @@ class evictor<Policy, cuda::backend> {
                                        std::is_same<Scorer, scorers::accumulated_attention>::value ||
                                        std::is_same<Scorer, scorers::last_query>::value;
   static constexpr bool is_last = std::is_same<Scorer, scorers::last_query>::value;
+  static constexpr bool is_learned = std::is_same<Scorer, scorers::learned_mlp>::value;
+  static constexpr bool layer_budgeter = cuda::detail::is_layer_budgeter<Budgeter>::value;
   static constexpr bool needs_drift = Spatial::needs_attention_drift;
 
-  static_assert(is_lor || is_key_norm || is_attention || std::is_same<Scorer, scorers::none>::value,
+  static_assert(is_lor || is_key_norm || is_attention || is_learned || std::is_same<Scorer, scorers::none>::value,
                 "kvevict: this Scorer has no CUDA implementation (the CUDA backend serves the built-in scorers)");
   static_assert(std::is_same<Spatial, spatial::none>::value || std::is_same<Spatial, spatial::avg_pool>::value ||
                     std::is_same<Spatial, spatial::max_pool>::value || std::is_same<Spatial, spatial::adaptive_window>::value,
@@ -83,6 +89,24 @@ class evictor<Policy, cuda::backend> {
                            static_cast<long long>(in.batch() * in.q_heads()));
     if (in.window() > 0x7fffffffLL / 2)
       return status::error(errc::not_supported, "window = %lld is too large", static_cast<long long>(in.window()));
+    if constexpr (is_learned) {
+      if (!p_.scorer.on_device)
+        return status::error(errc::invalid_argument,
+                             "scorer.on_device = false: the CUDA backend needs the LKV weights in device memory (cuda::lkv_device_tables)");
+      KVEVICT_TRY(Scorer::check_layer_shape(p_.scorer, in.kv_heads(), in.head_dim(), in.layer_idx, in.num_layers));
+    }
+    if constexpr (layer_budgeter) {
+      if (!p_.budgeter.on_device)
+        return status::error(errc::invalid_argument,
+                             "budgeter.on_device = false: the CUDA backend needs the LKV tables in device memory (cuda::lkv_device_tables)");
+      if (in.num_layers != p_.budgeter.num_layers || in.kv_heads() != p_.budgeter.kv_heads)
+        return status::error(errc::shape_mismatch,
+                             "budgeter table (num_layers = %d, kv_heads = %d) != layer inputs (num_layers = %d, kv_heads = %lld)",
+                             p_.budgeter.num_layers, p_.budgeter.kv_heads, in.num_layers, static_cast<long long>(in.kv_heads()));
+      const std::int64_t t = p_.budgeter.num_tokens > in.capacity() ? p_.budgeter.num_tokens : in.capacity();
+      if (static_cast<std::int64_t>(p_.budgeter.num_layers) * p_.budgeter.kv_heads > (std::int64_t{1} << 40) / (t > 0 ? t : 1))
+        return status::error(errc::not_supported, "num_layers * kv_heads * t is too large for the budget arithmetic");
+    }
     return {};
   }
 
@@ -114,6 +138,7 @@ class evictor<Policy, cuda::backend> {
       if (B < 1) B = 1;
     }
     if (std::is_same<Budgeter, budgeters::pyramid>::value) B = 2 * B + 1;
+    if (layer_budgeter) B = S;  // LKV-H: a head may keep its whole length
     const std::int64_t per = B < S ? B : S;
     return in.batch() * out_heads(in) * per;
   }
@@ -170,7 +195,8 @@ class evictor<Policy, cuda::backend> {
     sh.num_layers = in.num_layers;
     sh.layer_mean = layer_mean;
     plan_kernel<Budgeter, Scorer::has_scores><<<B, T256, 0, st>>>(in.lengths, sh, budget, p_.selector, p_.budgeter, bf.status,
-                                                                  bf.len_kv, bf.plankv, bf.needkv, bf.plans, bf.budgets, bf.need);
+                                                                  bf.len_kv, bf.plankv, bf.needkv, bf.plans, bf.budgets, bf.need,
+                                                                  bf.lb);
     KVEVICT_CUDA_CHECK_LAUNCH();
     if (p_.check_finite) {
       finite_scan_kernel<T><<<grid_for(in.keys.size()), T256, 0, st>>>(in.keys, 0, bf.len_kv, Hkv, 1, 0, bf.status);
@@ -195,6 +221,17 @@ class evictor<Policy, cuda::backend> {
       if constexpr (is_key_norm) {
         dim3 g(ceil_div(S, block_warps), static_cast<unsigned>(B * Hkv * Gq));
         if (S > 0) key_norm_kernel<T><<<g, T256, 0, st>>>(in.keys, bf.len_kv, bf.needkv, Hkv, Gq, S, bf.grows);
+        KVEVICT_CUDA_CHECK_LAUNCH();
+      } else if constexpr (is_learned) {
+        const auto& sp = p_.scorer;
+        const int layer = sp.layer >= 0 ? sp.layer : in.layer_idx;
+        lkv_mlp_args m;
+        m.block = Scorer::block_floats(sp.head_dim, sp.hidden);
+        m.w = sp.weights + static_cast<std::int64_t>(layer) * sp.kv_heads * m.block;
+        m.hidden = sp.hidden;
+        m.relu = sp.activation == lkv_activation::relu ? 1 : 0;
+        dim3 g(ceil_div(S, lkv_tile_tokens), static_cast<unsigned>(B * Hkv));
+        if (S > 0) lkv_mlp_kernel<T><<<g, T256, 0, st>>>(in.keys, in.values, bf.len_kv, bf.needkv, Hkv, Gq, S, m, bf.grows);
         KVEVICT_CUDA_CHECK_LAUNCH();
       } else {
         KVEVICT_TRY(score_window(in, bf, B, Hkv, Hq, W, S, d));
@@ -304,6 +341,7 @@ class evictor<Policy, cuda::backend> {
     double* share = nullptr;
     std::int64_t* cap = nullptr;
     std::int64_t* extra = nullptr;
+    cuda::detail::layer_budget_scratch lb;
     void* scan_tmp = nullptr;
     std::size_t scan_bytes = 0;
   };
@@ -380,6 +418,14 @@ class evictor<Policy, cuda::backend> {
         bf.rz2 = c.template carve<double>(n(nq * W));
         bf.amc = c.template carve<float>(n(nq * W));
       }
+    }
+    if constexpr (layer_budgeter) {
+      const std::int64_t nh = static_cast<std::int64_t>(p_.budgeter.num_layers) * p_.budgeter.kv_heads;
+      bf.lb.n = nh > 0 ? nh : 1;
+      bf.lb.share = c.template carve<double>(n(B * bf.lb.n));
+      bf.lb.capv = c.template carve<std::int64_t>(n(B * bf.lb.n));
+      bf.lb.all = c.template carve<std::int64_t>(n(B * bf.lb.n));
+      bf.lb.clipped = c.template carve<unsigned char>(n(B * bf.lb.n));
     }
     if constexpr (Budgeter::needs_scores) {
       bf.candprefix = c.template carve<long long>(n(B * (H + 1)));

@@ -332,6 +332,122 @@ __global__ void key_norm_kernel(kv_view<const T> keys, const std::int32_t* len, 
   if (lane == 0) out[static_cast<std::int64_t>(row) * S + n] = saturate(-sqrt(s));
 }
 
+/// Tables of one layer for lkv_mlp_kernel (scorers::learned_mlp, policies/learned.hpp).
+struct lkv_mlp_args {
+  const float* w = nullptr;  ///< device fp32 (kv_heads, block): the layer's MLPs
+  std::int64_t block = 0;    ///< floats per KV head: hidden * 2d + 2 * hidden + 1
+  int hidden = 0;
+  int relu = 0;  ///< 1: relu, 0: silu
+};
+
+/// Tile of lkv_mlp_kernel: tokens per block, inputs (of x = [k ; v]) and hidden units per step.
+inline constexpr int lkv_tile_tokens = 128;
+inline constexpr int lkv_tile_k = 32;
+inline constexpr int lkv_tile_h = 32;
+
+/// LKV-T utilities: out[((b * Hkv + h) * Gq + g) * S + n] = u_n for every valid token n of
+/// every scored KV head, the same value in its Gq query-head rows, with
+/// u = b2 + sum_j w2_j act(b1_j + W1_j . [k_n ; v_n]) (scorers::learned_mlp::utility: fp32
+/// tables and inputs, fp64 products and sums, NaN -> 0, saturated to the float range).
+/// The layer's MLP applied to a tile of tokens is a small GEMM, X (tokens x 2d) W1^T (2d x
+/// hidden), done as a shared-memory tiled fp64 GEMM: grid (ceil(S / 128), B * Hkv), 256
+/// threads, one block per 128 tokens of one KV head; per step a 32-input slice of the 128
+/// tokens' [k ; v] (widened once to fp64) and the matching 32 x 32 slice of W1 are staged in
+/// shared memory (41 KB, static), and each thread accumulates a 4 token x 4 hidden-unit
+/// register tile with fp64 FMAs (exact products of the fp32 operands, as the CPU). Hidden
+/// units beyond 32 are further passes over the inputs. The epilogue adds b1, applies the
+/// activation, weights by w2 and sums the hidden units of a token across the 8 threads that
+/// hold them (warp shuffles). The weights are read once per block from global memory (L2
+/// resident: a head's MLP is 33 KB at head_dim 128, hidden 32); K and V once in all.
+template <class T>
+__global__ void __launch_bounds__(block_threads) lkv_mlp_kernel(kv_view<const T> keys, kv_view<const T> values,
+                                                                const std::int32_t* len, const std::uint8_t* needkv, int Hkv,
+                                                                int Gq, std::int64_t S, lkv_mlp_args m, float* out) {
+  __shared__ double xs[lkv_tile_k][lkv_tile_tokens + 1];
+  __shared__ double ws[lkv_tile_k][lkv_tile_h + 1];
+  const int kvi = blockIdx.y;
+  if (!needkv[kvi]) return;
+  const std::int64_t L = len[kvi];
+  const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.x) * lkv_tile_tokens;
+  if (n0 >= L) return;  // uniform over the block
+  const int b = kvi / Hkv, h = kvi % Hkv;
+  const int d = static_cast<int>(keys.extent[3]), in_dim = 2 * d, hidden = m.hidden;
+  const T* kb = keys.data + b * keys.stride[0] + h * keys.stride[1];
+  const T* vb = values.data + b * values.stride[0] + h * values.stride[1];
+  const float* W1 = m.w + static_cast<std::int64_t>(h) * m.block;
+  const float* b1 = W1 + static_cast<std::int64_t>(hidden) * in_dim;
+  const float* w2 = b1 + hidden;
+  const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;  // tokens ty + 32 a, hidden units tx + 8 c
+  double part[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int jc = 0; jc < hidden; jc += lkv_tile_h) {
+    double acc[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[a][c] = 0.0;
+    for (int kc = 0; kc < in_dim; kc += lkv_tile_k) {
+      __syncthreads();  // the previous slice is consumed
+#pragma unroll 4
+      for (int q = 0; q < (lkv_tile_k * lkv_tile_tokens) / block_threads; ++q) {
+        const int e = tid + block_threads * q, kk = e & (lkv_tile_k - 1), tok = e / lkv_tile_k;
+        const int i = kc + kk;
+        const std::int64_t n = n0 + tok;
+        float x = 0.0f;
+        if (n < L && i < in_dim)
+          x = i < d ? to_float(kb[n * keys.stride[2] + static_cast<std::int64_t>(i) * keys.stride[3]])
+                    : to_float(vb[n * values.stride[2] + static_cast<std::int64_t>(i - d) * values.stride[3]]);
+        xs[kk][tok] = static_cast<double>(x);
+      }
+#pragma unroll
+      for (int q = 0; q < (lkv_tile_k * lkv_tile_h) / block_threads; ++q) {
+        const int e = tid + block_threads * q, kk = e & (lkv_tile_k - 1), jj = e / lkv_tile_k;
+        const int i = kc + kk, j = jc + jj;
+        ws[kk][jj] = (i < in_dim && j < hidden) ? static_cast<double>(W1[static_cast<std::int64_t>(j) * in_dim + i]) : 0.0;
+      }
+      __syncthreads();
+#pragma unroll 8
+      for (int k = 0; k < lkv_tile_k; ++k) {
+        double xv[4], wv[4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) xv[a] = xs[k][ty + 32 * a];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) wv[c] = ws[k][tx + 8 * c];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[a][c] = fma(xv[a], wv[c], acc[a][c]);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = jc + tx + 8 * c;
+      if (j >= hidden) continue;
+      const double bj = static_cast<double>(b1[j]), w2j = static_cast<double>(w2[j]);
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        double z = acc[a][c] + bj;
+        if (m.relu) z = z > 0.0 ? z : 0.0;
+        else z = z / (1.0 + exp(-z));
+        part[a] += w2j * z;
+      }
+    }
+  }
+  // the 8 threads of a token group are consecutive lanes (tid = 8 ty + tx)
+#pragma unroll
+  for (int a = 0; a < 4; ++a)
+    for (int o = 4; o > 0; o >>= 1) part[a] += __shfl_xor_sync(0xffffffffu, part[a], o);
+  if (tx == 0) {
+    const double b2 = static_cast<double>(w2[hidden]);
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      const std::int64_t n = n0 + ty + 32 * a;
+      if (n >= L) continue;
+      const float u = saturate(b2 + part[a]);
+      for (int g = 0; g < Gq; ++g) out[(static_cast<std::int64_t>(kvi) * Gq + g) * S + n] = u;
+    }
+  }
+}
+
 /// Power-of-two value scale of a KV head (as the CPU backend): values whose largest |v| is
 /// outside [2^-32, 2^32] are divided by 2^e (frexp exponent of the max) before the distances.
 __device__ inline float value_scale_of(float vmax) {

@@ -3,16 +3,20 @@
 // length checks), temporal weights, GQA reduction, spatial smoothing (avg / max / adaptive
 // window), AdaKV budgets, CSR counts and the per-head top-k selection with protected tokens.
 // Budget arithmetic is the host-device code of core/budget_rules.hpp, policies/budgeters.hpp
-// and core/apportion.hpp, so budgets are bit-identical to the CPU backend's.
+// and core/apportion.hpp (LKV-H: budgeters::headwise_learned::layer_slice of
+// policies/learned.hpp), so budgets are bit-identical to the CPU backend's.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvevict/backends/cuda/backend.cuh"
 #include "kvevict/core/apportion.hpp"
 #include "kvevict/core/budget_rules.hpp"
 #include "kvevict/core/policy.hpp"
 #include "kvevict/policies/budgeters.hpp"
+#include "kvevict/policies/learned.hpp"
 #include "kvevict/policies/spatial.hpp"
 
 namespace kvevict {
@@ -29,12 +33,155 @@ struct plan_shape {
   int layer_mean = 0;
 };
 
+/// detail::apportion (core/apportion.hpp) by a team of threads, bit for bit: the floor pass is
+/// split over the team, the "too many" pass (rounding excess; water-filled shares never
+/// produce it) runs on rank 0 exactly as the serial code, and each step of the "too few" pass
+/// is a team argmax of the serial code's key (fraction s - out, or -0.5 for a non-positive
+/// share; > -1 to count; capped heads skipped) with ties to the lower index, which is the
+/// serial scan's choice whatever the reduction order (the comparison is exact). Host and
+/// device; Team provides rank(), size(), sum(long long) and best(double key, long long index)
+/// (both collective: every rank calls them, every rank gets the result). Cost: n / size per
+/// rank and one collective per unit handed out (at most n).
+#pragma nv_exec_check_disable
+template <class Team>
+KVEVICT_HOST_DEVICE void team_apportion(Team& tm, const double* share, const std::int64_t* cap, std::int64_t n, std::int64_t total,
+                                        std::int64_t* out) {
+  const int rank = tm.rank(), size = tm.size();
+  long long part = 0;
+  for (std::int64_t i = rank; i < n; i += size) {
+    double s = share[i];
+    if (!(s > 0.0) || !(s < 9.0e18)) s = (s >= 9.0e18) ? 9.0e18 : 0.0;
+    std::int64_t f = static_cast<std::int64_t>(std::floor(s));
+    if (cap && f > cap[i]) f = cap[i];
+    out[i] = f;
+    part += f;
+  }
+  long long assigned = tm.sum(part);  // collective: the floors are visible to every rank after it
+  if (assigned > total) {
+    if (rank == 0) {  // the serial "too many" pass, verbatim
+      while (assigned > total) {
+        std::int64_t best = -1;
+        double best_frac = 2.0;
+        for (std::int64_t i = n - 1; i >= 0; --i) {
+          if (out[i] <= 0) continue;
+          double fr = share[i] - std::floor(share[i]);
+          if (!(fr >= 0.0)) fr = 0.0;
+          if (fr < best_frac) {
+            best_frac = fr;
+            best = i;
+          }
+        }
+        if (best < 0) break;
+        --out[best];
+        --assigned;
+      }
+    }
+    assigned = tm.sum(rank == 0 ? assigned : 0);  // broadcast (and make rank 0's writes visible)
+  }
+  while (assigned < total) {
+    double best_frac = -1.0;
+    long long best = -1;
+    for (std::int64_t i = rank; i < n; i += size) {  // ascending: the first maximum of this rank
+      if (cap && out[i] >= cap[i]) continue;
+      const double s = share[i];
+      const double fr = (s > 0.0 && s < 9.0e18) ? s - static_cast<double>(out[i]) : -0.5;
+      if (fr > best_frac) {
+        best_frac = fr;
+        best = i;
+      }
+    }
+    const long long w = tm.best(best_frac, best);
+    if (w < 0) break;  // every head at its cap
+    if (w % size == rank) ++out[w];  // its owner: the only rank that reads out[w] in this pass
+    ++assigned;
+  }
+}
+
+/// The team of team_apportion as one CUDA block (blockDim.x a multiple of 32, <= block_threads).
+struct block_team {
+  struct storage {
+    double f[block_warps];
+    long long i[block_warps];
+    long long v;
+  };
+  storage& sm;
+  __device__ int rank() const { return static_cast<int>(threadIdx.x); }
+  __device__ int size() const { return static_cast<int>(blockDim.x); }
+  __device__ long long sum(long long v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    __syncthreads();  // the previous collective's readers are done with sm
+    if ((threadIdx.x & 31) == 0) sm.i[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      long long t = 0;
+      for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) t += sm.i[w];
+      sm.v = t;
+    }
+    __syncthreads();
+    return sm.v;
+  }
+  /// (f, i) with i < 0 = no candidate; the winner has the largest f, ties to the lower i.
+  __device__ static bool better(double fo, long long io, double f, long long i) {
+    return io >= 0 && (i < 0 || fo > f || (fo == f && io < i));
+  }
+  __device__ long long best(double f, long long i) {
+    for (int o = 16; o > 0; o >>= 1) {
+      const double fo = __shfl_down_sync(0xffffffffu, f, o);
+      const long long io = __shfl_down_sync(0xffffffffu, i, o);
+      if (better(fo, io, f, i)) {
+        f = fo;
+        i = io;
+      }
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) {
+      sm.f[threadIdx.x >> 5] = f;
+      sm.i[threadIdx.x >> 5] = i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      double bf = sm.f[0];
+      long long bi = sm.i[0];
+      for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w)
+        if (better(sm.f[w], sm.i[w], bf, bi)) {
+          bf = sm.f[w];
+          bi = sm.i[w];
+        }
+      sm.v = bi;
+    }
+    __syncthreads();
+    return sm.v;
+  }
+};
+
+/// Budgeters that allocate a whole layer (over the whole model) at once: LKV-H.
+template <class Budgeter>
+struct is_layer_budgeter : std::is_same<Budgeter, budgeters::headwise_learned> {};
+
+/// Workspace scratch of a layer budgeter: n = num_layers * kv_heads entries per sequence.
+struct layer_budget_scratch {
+  double* share = nullptr;
+  std::int64_t* capv = nullptr;
+  unsigned char* clipped = nullptr;
+  std::int64_t* all = nullptr;
+  std::int64_t n = 0;
+};
+
 /// One block per sequence: validate and clamp lengths (device status on error), plan every
 /// KV head and out row, score-free budgets, the "needs scoring" flags (per row and per KV head).
+/// Layer budgeters (LKV-H): the steps of budgeters::headwise_learned::layer_slice, the code of
+/// the CPU hook, on the precomputed ratios (bp.ratios) with the sequence's slice of `lb` as
+/// scratch: thread 0 runs slice_begin and the water-filling shares (O(n) per clipping round,
+/// n = num_layers * kv_heads), the block runs the apportionment (team_apportion: apportion's
+/// result bit for bit), thread 0 applies the layer's slice. Budgets are bit-identical to the
+/// CPU's. Unequal lengths with num_tokens = 0 -> device_check::lkv_lengths.
 template <class Budgeter, bool HasScores>
 __global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req, selectors::topk::params sp,
                             typename Budgeter::params bp, device_status* st, std::int32_t* len_kv, head_plan* plankv,
-                            std::uint8_t* needkv, head_plan* plans, std::int64_t* budgets, std::uint8_t* need) {
+                            std::uint8_t* needkv, head_plan* plans, std::int64_t* budgets, std::uint8_t* need,
+                            layer_budget_scratch lb) {
+  constexpr bool layer_budgeter = is_layer_budgeter<Budgeter>::value;
+  (void)lb;
   const int b = blockIdx.x;
   for (int h = threadIdx.x; h < sh.Hkv; h += blockDim.x) {
     std::int64_t L = lens.data ? static_cast<std::int64_t>(lens(b, h)) : sh.S;
@@ -60,10 +207,49 @@ __global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req
     if constexpr (Budgeter::needs_scores) {
       budgets[r] = pl.pass_through ? pl.length : pl.base_budget;
       need[r] = (HasScores && !pl.pass_through) ? 1 : 0;
+    } else if constexpr (layer_budgeter) {
+      budgets[r] = pl.length;  // set below, once the sequence's plans are known
+      need[r] = 0;
     } else {
       const std::int64_t bud = Budgeter::head_budget(bp, pl, sh.layer, sh.num_layers);
       budgets[r] = bud;
       need[r] = (HasScores && bud < pl.length) ? 1 : 0;
+    }
+  }
+  if constexpr (layer_budgeter) {
+    __shared__ typename Budgeter::slice_state lst;
+    __shared__ int lrc;
+    __shared__ block_team::storage team_sm;
+    const std::int64_t r0 = static_cast<std::int64_t>(b) * sh.H, o = static_cast<std::int64_t>(b) * lb.n;
+    kvevict::detail::lkv_fill_scratch s;
+    s.share = lb.share + o;
+    s.capv = lb.capv + o;
+    s.clipped = lb.clipped + o;
+    __syncthreads();  // the plans of the sequence are written
+    if (threadIdx.x == 0) {
+      std::int64_t bad[3] = {0, 0, 0};
+      lst = Budgeter::slice_begin(bp, req, plans + r0, sh.H, bad);
+      int rc = lst.rc;
+      if (rc == Budgeter::slice_ok && !lst.all_pass && !Budgeter::slice_shares(lst, bp.ratios, s, bad))
+        rc = Budgeter::slice_cannot_apportion;
+      if (rc == Budgeter::slice_unequal_lengths)
+        report(st, errc::invalid_argument, device_check::lkv_lengths, b, bad[0], bad[1], bad[2]);
+      else if (rc != Budgeter::slice_ok)
+        report(st, errc::invalid_argument, device_check::lkv_apportion, b, bad[0], bad[1], bad[2]);
+      lrc = rc;
+    }
+    __syncthreads();
+    if (lrc == Budgeter::slice_ok && !lst.all_pass) {  // uniform over the block
+      block_team team{team_sm};
+      team_apportion(team, s.share, s.capv, lst.n, lst.total - lst.n * lst.fl, lb.all + o);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (lrc == Budgeter::slice_ok) Budgeter::slice_end(bp, lst, plans + r0, sh.H, sh.layer, lb.all + o, budgets + r0);
+      for (int h = 0; h < sh.H; ++h) {
+        if (lrc != Budgeter::slice_ok) budgets[r0 + h] = plans[r0 + h].length;
+        need[r0 + h] = (HasScores && budgets[r0 + h] < plans[r0 + h].length) ? 1 : 0;
+      }
     }
   }
   __syncthreads();
