@@ -13,7 +13,8 @@
 //   metrics      KL(full || LKV) of the next-token distributions after each fed token (fp64, nats),
 //                mean over the `steps` positions, and over its first and second half; top-1 agreement;
 //                KV tokens (valid slots over all layers and heads): peak during the prefill, peak while
-//                decoding (right after a token is appended, before a step) and at the end.
+//                decoding (right after a token is appended, before a step) and at the end, and how many of
+//                the end's come from the prompt (position < prompt_tokens).
 // Prints a table; --out DIR writes lkv_modes.csv (means) and lkv_modes_per_prompt.csv.
 // --smoke: 1 prompt, 64 + 16 tokens, keep 0.2, intervals 1 and 4; exit 0 with a message when the
 // model, text or artifact is missing; exit 1 when a number is not finite.
@@ -119,6 +120,7 @@ std::vector<double> log_softmax(const std::vector<float>& x) {
 struct run_metrics {
     double kl = 0, kl_first = 0, kl_second = 0, top1 = 0;
     std::int64_t peak_prefill = 0, peak_decode = 0, final_tokens = 0;
+    double prompt_kept = 0;  // tokens of the prompt still cached at the end (all heads)
 };
 
 struct row {
@@ -280,6 +282,10 @@ int main(int argc, char** argv) {
             x.kl_second /= std::max(1, S / 2);
             x.peak_decode = s.peak_kv_tokens();
             x.final_tokens = s.kv_tokens();
+            const kv_cache& kc = s.cache();
+            for (int l = 0; l < c.n_layers; ++l)
+                for (int h = 0; h < c.n_kv_heads; ++h)
+                    for (int q = 0; q < kc.length(l, h); ++q) x.prompt_kept += kc.position(l, h, q) < P ? 1 : 0;
             rw.per_prompt.push_back(x);
         }
     }
@@ -288,15 +294,15 @@ int main(int argc, char** argv) {
     std::printf("LKV decoding, stories260K, %zu held-out sherlock.txt excerpts: %d prefilled + %d teacher-forced tokens; "
                 "N = %d KV heads; full cache at the end: %d tokens (%.1f s)\n",
                 excerpts.size(), P, S, N, N * (P + S), secs);
-    std::printf("%-4s %4s %5s %9s %9s %9s %6s %8s %8s %8s %7s\n", "mode", "s", "keep", "KL", "KL 1st", "KL 2nd", "top1", "pk pre", "pk dec",
-                "final", "B<A");
+    std::printf("%-4s %4s %5s %9s %9s %9s %6s %8s %8s %8s %8s %7s\n", "mode", "s", "keep", "KL", "KL 1st", "KL 2nd", "top1", "pk pre", "pk dec",
+                "final", "prompt", "B<A");
     std::ofstream csv, pp;
     if (!opt.out_dir.empty()) {
         std::filesystem::create_directories(opt.out_dir, ec);
         csv.open(opt.out_dir + "/lkv_modes.csv");
         pp.open(opt.out_dir + "/lkv_modes_per_prompt.csv");
         csv << "mode,interval,keep,prompts,prompt_tokens,steps,kl_mean,kl_first_half,kl_second_half,top1,peak_prefill_tokens,"
-               "peak_decode_tokens,final_tokens,full_final_tokens\n";
+               "peak_decode_tokens,final_tokens,prompt_tokens_kept,full_final_tokens\n";
         pp << "mode,interval,keep,prompt,kl_mean,top1,peak_decode_tokens,final_tokens\n";
     }
     bool finite = true;
@@ -316,24 +322,25 @@ int main(int argc, char** argv) {
             a.peak_prefill = std::max(a.peak_prefill, x.peak_prefill);
             a.peak_decode = std::max(a.peak_decode, x.peak_decode);
             a.final_tokens = std::max(a.final_tokens, x.final_tokens);
+            a.prompt_kept += x.prompt_kept / n;
             if (modeA && x.kl < modeA->per_prompt[p].kl) ++better;
             finite = finite && std::isfinite(x.kl);
             if (pp.is_open())
                 pp << rw.mode << ',' << rw.interval << ',' << rw.keep << ',' << p << ',' << x.kl << ',' << x.top1 << ',' << x.peak_decode << ','
                    << x.final_tokens << '\n';
         }
-        std::printf("%-4s %4s %4.0f%% %9.5f %9.5f %9.5f %6.3f %8lld %8lld %8lld %7s\n", rw.mode.c_str(),
+        std::printf("%-4s %4s %4.0f%% %9.5f %9.5f %9.5f %6.3f %8lld %8lld %8lld %8.1f %7s\n", rw.mode.c_str(),
                     rw.mode == "A" ? "-" : std::to_string(rw.interval).c_str(), 100 * rw.keep, a.kl, a.kl_first, a.kl_second, a.top1,
-                    static_cast<long long>(a.peak_prefill), static_cast<long long>(a.peak_decode), static_cast<long long>(a.final_tokens),
+                    static_cast<long long>(a.peak_prefill), static_cast<long long>(a.peak_decode), static_cast<long long>(a.final_tokens), a.prompt_kept,
                     rw.mode == "A" ? "-" : (std::to_string(better) + "/" + std::to_string(rw.per_prompt.size())).c_str());
         if (csv.is_open())
             csv << rw.mode << ',' << rw.interval << ',' << rw.keep << ',' << rw.per_prompt.size() << ',' << P << ',' << S << ',' << a.kl << ','
                 << a.kl_first << ',' << a.kl_second << ',' << a.top1 << ',' << a.peak_prefill << ',' << a.peak_decode << ',' << a.final_tokens
-                << ',' << N * (P + S) << '\n';
+                << ',' << a.prompt_kept << ',' << N * (P + S) << '\n';
     }
     std::printf("KL: mean KL(full || LKV) per continuation position, nats (1st / 2nd: halves of the continuation); "
                 "pk pre / pk dec / final: KV tokens over all heads (max over prompts) at the prefill peak, the decode peak, the end; "
-                "B<A: prompts where mode B's KL is below mode A's\n");
+                "prompt: of the end's, tokens from the prompt (mean over prompts); B<A: prompts where mode B's KL is below mode A's\n");
     if (!finite) {
         std::fprintf(stderr, "error: a KL is not finite\n");
         return 1;
