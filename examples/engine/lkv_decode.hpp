@@ -58,10 +58,10 @@ struct lkv_decode_options {
 
 /// One sequence decoded with LKV (mode A or B). Owns its kv_cache (`capacity` slots per head: prompt +
 /// generated tokens always suffices; mode A needs that much in its heads, mode B only a head's largest
-/// budget + interval), the utilities and every per-step buffer, all
-/// allocated at construction: a decode step allocates nothing beyond forward() and the budgets'
-/// water-filling (kvevict::lkv::decode_step documents it). The scorer/budgeter parameters point into an
-/// artifact that must outlive the session, as must the model.
+/// budget + interval), the utilities and every per-step buffer (kvevict::lkv::decode_budget_scratch
+/// included), all allocated at construction: a mode-B step allocates nothing (forward() itself uses a few
+/// Eigen temporaries). The scorer/budgeter parameters point into an artifact that must outlive the
+/// session, as must the model.
 class lkv_session {
 public:
     lkv_session(const model& m, const kvevict::scorers::learned_mlp::params& scorer,
@@ -74,6 +74,14 @@ public:
         drop_indptr_.assign(size_t(N) + 1, 0);
         drop_indices_.assign(size_t(N) * size_t(std::max(cap, 1)), 0);
         scratch_.assign(size_t(std::max(cap, 1)), 0);
+        ratios_.assign(size_t(N), 0.0);
+        share_.assign(size_t(N), 0.0);
+        capv_.assign(size_t(N), 0);
+        clipped_.assign(size_t(N), 0);
+        bs_.ratios = ratios_.data();
+        bs_.share = share_.data();
+        bs_.capv = capv_.data();
+        bs_.clipped = clipped_.data();
     }
     lkv_session(const lkv_session&) = delete;
     lkv_session& operator=(const lkv_session&) = delete;
@@ -111,7 +119,9 @@ public:
             return result::failure("lkv_session::prefill: " + std::to_string(tokens.size()) + " tokens exceed the capacity " +
                                    std::to_string(cache_.capacity()));
         const std::int64_t T = std::int64_t(tokens.size());
-        if (const kvevict::status s = kvevict::lkv::decode_budgets(bp_, opt_.budget, T, budgets_.data()); !s.ok())
+        if (const kvevict::status s = kvevict::lkv::prepare_decode_scratch(bp_, bs_); !s.ok())
+            return result::failure(std::string("lkv_session::prefill: ") + s.message());
+        if (const kvevict::status s = kvevict::lkv::decode_budgets(bp_, opt_.budget, T, budgets_.data(), &bs_); !s.ok())
             return result::failure(std::string("lkv_session::prefill: ") + s.message());
         const std::int64_t slot_bytes = std::int64_t(cache_.head_dim()) * 2 * std::int64_t(sizeof(float));  // one K+V row
         if (opt_.layerwise) {
@@ -170,6 +180,7 @@ public:
         out.drop_capacity = std::int64_t(drop_indices_.size());
         out.scratch = scratch_.data();
         out.scratch_size = std::int64_t(scratch_.size());
+        out.budget_scratch = &bs_;
         if (const kvevict::status s = kvevict::lkv::decode_step(bp_, opt_.budget, t_, cv, out); !s.ok())
             return result::failure("lkv_session::step at t = " + std::to_string(t_) + ": " + s.message());
         last_drops_ = drop_indptr_[size_t(L * H)];
@@ -268,7 +279,10 @@ private:
     kv_cache cache_;
     std::vector<float> util_;
     std::vector<std::int32_t> lens_, drop_indptr_, drop_indices_, scratch_;
-    std::vector<std::int64_t> budgets_;
+    std::vector<std::int64_t> budgets_, capv_;
+    std::vector<double> ratios_, share_;
+    std::vector<unsigned char> clipped_;
+    kvevict::lkv::decode_budget_scratch bs_;
     std::int64_t t_ = 0, peak_ = 0, last_drops_ = 0;
     int since_step_ = 0, steps_ = 0;
 };

@@ -139,7 +139,24 @@ struct step_out {
   std::vector<std::int32_t> ip, idx, scratch;
 };
 
-kvevict::status run_step(const kvevict::budgeters::headwise_learned::params& bp, double R, std::int64_t t, const lib_cache& c, step_out& o) {
+// Budget scratch (decode_budget_scratch) for N heads, prepared for bp.
+struct budget_scratch {
+  std::vector<double> r, share;
+  std::vector<std::int64_t> capv;
+  std::vector<unsigned char> clipped;
+  kvevict::lkv::decode_budget_scratch s;
+  budget_scratch(const kvevict::budgeters::headwise_learned::params& bp)
+      : r(static_cast<std::size_t>(bp.num_layers * bp.kv_heads)), share(r.size()), capv(r.size()), clipped(r.size()) {
+    s.ratios = r.data();
+    s.share = share.data();
+    s.capv = capv.data();
+    s.clipped = clipped.data();
+    REQUIRE(kvevict::lkv::prepare_decode_scratch(bp, s).ok());
+  }
+};
+
+kvevict::status run_step(const kvevict::budgeters::headwise_learned::params& bp, double R, std::int64_t t, const lib_cache& c, step_out& o,
+                         const kvevict::lkv::decode_budget_scratch* bs = nullptr) {
   o.budgets.assign(static_cast<std::size_t>(c.N), -1);
   o.ip.assign(static_cast<std::size_t>(c.N + 1), -1);
   o.idx.assign(static_cast<std::size_t>(c.N * c.cap), -1);
@@ -155,6 +172,7 @@ kvevict::status run_step(const kvevict::budgeters::headwise_learned::params& bp,
   b.drop_capacity = static_cast<std::int64_t>(o.idx.size());
   b.scratch = o.scratch.data();
   b.scratch_size = static_cast<std::int64_t>(o.scratch.size());
+  b.budget_scratch = bs;
   return kvevict::lkv::decode_step(bp, kvevict::budget_request::fraction(R), t, cv, b);
 }
 
@@ -182,6 +200,7 @@ TEST_CASE("mode B on random utilities: invariants after every step and equality 
     CAPTURE(R);
     CAPTURE(ties);
     const auto bp = budgeter_of(z, L, H, temp);
+    budget_scratch bscr(bp);  // the `again` run goes through the allocation-free budget path
     const auto draw = [&]() { return ties ? static_cast<float>(g.next() % 4) : g.sym(3.0); };
 
     lib_cache lib(N, T0 + steps + 1), again(N, T0 + steps + 1);
@@ -194,8 +213,8 @@ TEST_CASE("mode B on random utilities: invariants after every step and equality 
       const kvevict::status s = run_step(bp, R, t, lib, o);
       INFO(std::string(s.message()));
       REQUIRE(s.ok());
-      REQUIRE(run_step(bp, R, t, again, o2).ok());
-      CHECK(o.budgets == o2.budgets);  // deterministic
+      REQUIRE(run_step(bp, R, t, again, o2, &bscr.s).ok());
+      CHECK(o.budgets == o2.budgets);  // deterministic, and the same with the caller's budget scratch
       CHECK(o.ip == o2.ip);
       CHECK(std::equal(o.idx.begin(), o.idx.begin() + o.ip.back(), o2.idx.begin()));
       // budgets: exact total, range, naive reference (temperature folded into the logits)
@@ -389,6 +408,10 @@ TEST_CASE("mode B: errors name the parameter and its value") {
   both.keep_fraction = 0.5;
   CHECK(msg(kvevict::lkv::decode_budgets(bp, both, 8, budgets.data())).find("exactly one") != std::string::npos);
   CHECK(msg(kvevict::lkv::decode_budgets(bp, kvevict::budget_request{}, 8, budgets.data())).find("exactly one") != std::string::npos);
+  // a budget scratch with a missing buffer
+  kvevict::lkv::decode_budget_scratch bad;
+  CHECK(kvevict::lkv::decode_budgets(bp, kvevict::budget_request::fraction(0.25), 8, budgets.data(), &bad).code() == kvevict::errc::null_pointer);
+  CHECK(kvevict::lkv::prepare_decode_scratch(bp, bad).code() == kvevict::errc::null_pointer);
   // select_drops on its own
   std::int64_t k = -1;
   CHECK(kvevict::lkv::select_drops(c.u.data(), -2, 1, scratch.data(), idx.data(), &k).code() == kvevict::errc::invalid_argument);

@@ -134,20 +134,46 @@ inline status score_tokens(const scorers::learned_mlp::params& p, int layer, std
 // floor(R * N * t) holds at every call, and between two calls a head holds at most its budget
 // at the last call + s tokens. s = 1 is the spec's "every step".
 //
-// Allocation: select_drops and decode_step write only to caller buffers (no heap allocation
-// of their own); the budget computation is headwise_learned::global_budgets, whose
-// water-filling (detail::lkv_water_fill, policies/learned.hpp) allocates three O(N) vectors per
-// call. With s > 1 that happens once per s tokens. Cost per step: O(N^2) worst case for the
-// budgets (N heads, apportionment) + O(len_n) per head that drops (nth_element on scratch).
+// Allocation: none, when the caller passes a decode_budget_scratch (prepared once with
+// prepare_decode_scratch: the softmax ratios r and the water-filling scratch, all caller
+// memory); the budgets then come from headwise_learned::global_from_ratios, the same code
+// global_budgets runs, so the budgets are identical. Without it, decode_budgets calls
+// headwise_learned::global_budgets, which allocates four O(N) vectors per call.
+// Cost per step: O(N^2) worst case for the budgets (N heads, apportionment) + O(len_n) per head
+// that drops (nth_element on the scratch).
+
+/// Caller memory that makes decode_budgets / decode_step allocation-free (optional). N =
+/// bp.num_layers * bp.kv_heads; every pointer holds N elements. Fill `ratios` with
+/// prepare_decode_scratch from the SAME budgeter parameters the steps use (r = softmax(z /
+/// temperature), fp64; detail::lkv_ratios); the other three are clobbered by every call.
+struct decode_budget_scratch {
+  double* ratios = nullptr;           ///< fp64 (N): set by prepare_decode_scratch
+  double* share = nullptr;            ///< fp64 (N): water-filling shares
+  std::int64_t* capv = nullptr;       ///< int64 (N): per-head caps
+  unsigned char* clipped = nullptr;   ///< uint8 (N): clipped flags
+};
+
+/// Computes s.ratios for the budgeter `bp` (once per model / artifact). Errors: bp invalid
+/// (headwise_learned::check_host), a null pointer in s.
+inline status prepare_decode_scratch(const budgeters::headwise_learned::params& bp, const decode_budget_scratch& s) {
+  KVEVICT_TRY(budgeters::headwise_learned::check_host(bp));
+  if (!s.ratios || !s.share || !s.capv || !s.clipped)
+    return status::error(errc::null_pointer, "decode_budget_scratch: ratios, share, capv or clipped is null");
+  const std::int64_t n = static_cast<std::int64_t>(bp.num_layers) * bp.kv_heads;
+  if (!detail::lkv_ratios(bp.logits, n, static_cast<double>(bp.temperature), s.ratios))
+    return status::error(errc::invalid_argument, "budgeter: cannot compute softmax ratios (temperature = %g)", static_cast<double>(bp.temperature));
+  return {};
+}
 
 /// Global LKV-H budgets for t tokens seen: budgets[n] for n = layer * kv_heads + kv_head,
 /// N = bp.num_layers * bp.kv_heads entries (int64, caller-allocated), floor_each = 0 (plus
 /// bp.min_budget when set). req: exactly one of keep_fraction in (0, 1] or keep_tokens >= 1.
-/// bp.num_tokens is ignored (t is explicit). Errors: bp invalid (headwise_learned::check), bad
-/// req, t < 0, null budgets.
+/// bp.num_tokens is ignored (t is explicit). scratch (optional, see decode_budget_scratch):
+/// no allocation; the budgets are the same either way. Errors: bp invalid
+/// (headwise_learned::check_host), bad req, t < 0, null budgets, a scratch with a null pointer.
 inline status decode_budgets(const budgeters::headwise_learned::params& bp, const budget_request& req, std::int64_t t,
-                             std::int64_t* budgets) {
-  KVEVICT_TRY(budgeters::headwise_learned::check(bp));
+                             std::int64_t* budgets, const decode_budget_scratch* scratch = nullptr) {
+  KVEVICT_TRY(budgeters::headwise_learned::check_host(bp));
   const bool tok = req.keep_tokens != 0, frac = req.keep_fraction != 0.0;
   if (tok == frac)
     return status::error(errc::invalid_argument, "budget: set exactly one of keep_tokens (= %d) and keep_fraction (= %g)",
@@ -159,7 +185,17 @@ inline status decode_budgets(const budgeters::headwise_learned::params& bp, cons
   if (!budgets) return status::error(errc::null_pointer, "budgets is null");
   budgeters::headwise_learned::params p = bp;
   p.num_tokens = 0;
-  return budgeters::headwise_learned::global_budgets(p, req, t, 0, budgets);
+  if (!scratch) return budgeters::headwise_learned::global_budgets(p, req, t, 0, budgets);
+  if (!scratch->ratios || !scratch->share || !scratch->capv || !scratch->clipped)
+    return status::error(errc::null_pointer, "decode_budget_scratch: ratios, share, capv or clipped is null");
+  detail::lkv_fill_scratch fs;
+  fs.share = scratch->share;
+  fs.capv = scratch->capv;
+  fs.clipped = scratch->clipped;
+  if (!budgeters::headwise_learned::global_from_ratios(p, scratch->ratios, req, t, 0, budgets, fs))
+    return status::error(errc::invalid_argument, "headwise_learned: cannot apportion the budget over %d x %d heads at t = %lld",
+                         p.num_layers, p.kv_heads, static_cast<long long>(t));
+  return {};
 }
 
 /// One head of a mode-B step: the slots to drop so that the head keeps min(length, budget).
@@ -219,6 +255,7 @@ struct decode_step_buffers {
   std::int64_t drop_capacity = 0;        ///< >= sum_n max(0, lengths[n] - b_n); sum_n lengths[n] always suffices
   std::int32_t* scratch = nullptr;       ///< int32 (scratch_size), clobbered
   std::int64_t scratch_size = 0;         ///< >= the longest head that drops; max_n lengths[n] always suffices
+  const decode_budget_scratch* budget_scratch = nullptr;  ///< optional: no allocation at all (see above)
 };
 
 /// A mode-B step over the whole model at t tokens seen (see the rule above): budgets for t, then
@@ -231,7 +268,7 @@ struct decode_step_buffers {
 /// naming the needed size); a non-finite utility in a head that drops (named by head and slot).
 inline status decode_step(const budgeters::headwise_learned::params& bp, const budget_request& req, std::int64_t t,
                           const decode_cache_view& cache, const decode_step_buffers& out) {
-  KVEVICT_TRY(budgeters::headwise_learned::check(bp));
+  KVEVICT_TRY(budgeters::headwise_learned::check_host(bp));
   const std::int64_t H = bp.kv_heads, N = static_cast<std::int64_t>(bp.num_layers) * H;
   if (!cache.lengths) return status::error(errc::null_pointer, "cache.lengths is null");
   if (!out.budgets || !out.drop_indptr) return status::error(errc::null_pointer, "out.budgets or out.drop_indptr is null");
@@ -245,7 +282,7 @@ inline status decode_step(const budgeters::headwise_learned::params& bp, const b
                            static_cast<long long>(n), static_cast<long long>(len), static_cast<long long>(n / H),
                            static_cast<long long>(n % H), static_cast<long long>(t), static_cast<long long>(cache.utility_stride));
   }
-  KVEVICT_TRY(decode_budgets(bp, req, t, out.budgets));
+  KVEVICT_TRY(decode_budgets(bp, req, t, out.budgets, out.budget_scratch));
   std::int64_t need = 0, longest = 0;
   for (std::int64_t n = 0; n < N; ++n) {
     const std::int64_t len = cache.lengths[n];
