@@ -26,7 +26,8 @@ using kvevict::half_t;
 // default_presses). Tests iterate it with TEST_CASE_TEMPLATE(..., KVEVICT_ROBUST_PRESETS).
 #define KVEVICT_ROBUST_PRESETS                                                                                  \
   kvevict::presets::restkv, kvevict::presets::snapkv, kvevict::presets::pyramidkv, kvevict::presets::adakv, \
-      kvevict::presets::h2o, kvevict::presets::tova, kvevict::presets::streaming_llm, kvevict::presets::key_norm
+      kvevict::presets::h2o, kvevict::presets::tova, kvevict::presets::streaming_llm, kvevict::presets::key_norm, \
+      kvevict::presets::criticalkv, kvevict::presets::critical_adakv
 
 template <class P>
 inline std::string preset_name() {
@@ -39,6 +40,8 @@ inline std::string preset_name() {
   if (std::is_same<P, tova>::value) return "tova";
   if (std::is_same<P, streaming_llm>::value) return "streaming_llm";
   if (std::is_same<P, key_norm>::value) return "key_norm";
+  if (std::is_same<P, criticalkv>::value) return "criticalkv";
+  if (std::is_same<P, critical_adakv>::value) return "critical_adakv";
   return "custom";
 }
 
@@ -68,6 +71,8 @@ struct traits {
   static constexpr bool needs_queries = S::needs_queries;
   static constexpr bool needs_values = S::needs_values;
   static bool needs_wo(const typename P::params& p) { return S::needs_wo_factor(p.scorer); }
+  /// Reads the full output projection layer_inputs::wo (CriticalKV).
+  static constexpr bool needs_wo_matrix = kvevict::detail::scorer_needs_wo_matrix<S>::value;
 };
 
 /// Smallest keep_tokens budget a preset accepts for window W (documented rule: budget >=
@@ -131,9 +136,13 @@ struct problem {
   shape sh;
   buffer4<T> q, k, v;
   std::vector<float> wo;  // (Hq, D, D) row-major
+  std::vector<T> wo_mat;  // (hidden = D + 3, Hq * D) row-major [out][in]: the full W_O (CriticalKV)
   std::vector<std::int32_t> lens;
   std::vector<std::int32_t> pos;  // (B, Hkv, S) or empty
   kvevict::layer_inputs<T> in;
+
+  /// Hidden size of the full W_O (different from every other extent).
+  std::int64_t hidden() const { return sh.D + 3; }
 
   std::int64_t length(std::int64_t b, std::int64_t h) const {
     if (lens.empty()) return sh.S;
@@ -176,6 +185,8 @@ struct problem {
     }
     wo.assign(static_cast<std::size_t>(s.Hq() * s.D * s.D), 0.0f);
     for (auto& x : wo) x = static_cast<float>(r.normal());
+    wo_mat.assign(static_cast<std::size_t>(hidden() * s.Hq() * s.D), kvevict::from_float<T>(0.0f));
+    for (auto& x : wo_mat) x = kvevict::from_float<T>(static_cast<float>(r.normal() / std::sqrt(static_cast<double>(hidden()))));
     rebuild_views();
   }
 
@@ -185,6 +196,7 @@ struct problem {
     if (sh.with_values) in.values = v.view;
     if (sh.with_queries) in.queries = q.view;
     in.wo_factor = kvevict::cpu::wo_factor_view(wo.data(), sh.Hq(), sh.D);
+    if (!wo_mat.empty()) in.wo = kvevict::strided_view<const T, 2>{wo_mat.data(), {hidden(), sh.Hq() * sh.D}, {sh.Hq() * sh.D, 1}};
     if (!lens.empty())
       in.lengths = sh.per_sequence_lengths ? per_seq_view() : kvevict::per_head_lengths(lens.data(), sh.B, sh.Hkv);
     if (!pos.empty()) in.positions = kvevict::make_positions_view(pos.data(), sh.B, sh.Hkv, sh.S);
@@ -275,6 +287,10 @@ struct contract {
   float recent_share = -1.0f;
   bool uniform_budget = true;
   bool scorer_has_scores = true;
+  /// selectors::two_stage (CriticalKV): only the stage-1 part of the rank rule can be checked
+  /// from maybe_scores (stage 2 ranks a score the evictor does not return).
+  bool two_stage = false;
+  float first_stage_ratio = 1.0f;
   std::int64_t W = 0;
   std::int64_t out_heads = 1, kv_heads = 1;
   kvevict::budget_request budget;
@@ -288,6 +304,10 @@ struct contract {
     c.recent_share = p.selector.recent_share;
     c.uniform_budget = std::is_same<typename P::budgeter, kvevict::budgeters::uniform>::value;
     c.scorer_has_scores = P::scorer::has_scores;
+    if constexpr (std::is_same<typename P::selector, kvevict::selectors::two_stage>::value) {
+      c.two_stage = true;
+      c.first_stage_ratio = p.selector.first_stage_ratio;
+    }
     c.W = W;
     c.out_heads = out_heads;
     c.kv_heads = kv_heads;
@@ -371,6 +391,15 @@ struct contract {
         for (std::int64_t t = sinks; t < L - R; ++t) cand.push_back(static_cast<std::int32_t>(t));
         std::stable_sort(cand.begin(), cand.end(), [sc](std::int32_t x, std::int32_t y) { return sc[x] > sc[y]; });
         const std::int64_t k = n - sinks - R;
+        if (two_stage) {  // the first floor(ratio * k) by maybe_scores (stage 1) must be kept
+          const std::int64_t k1 =
+              static_cast<std::int64_t>(std::floor(static_cast<double>(first_stage_ratio) * static_cast<double>(k)));
+          for (std::int64_t i = 0; i < k1; ++i)
+            if (!kept[static_cast<std::size_t>(cand[static_cast<std::size_t>(i)])])
+              return fail("stage-1 candidate " + std::to_string(cand[static_cast<std::size_t>(i)]) +
+                          " (maybe_scores rank " + std::to_string(i) + " < " + std::to_string(k1) + ") evicted" + at);
+          continue;
+        }
         for (std::int64_t i = 0; i < static_cast<std::int64_t>(cand.size()); ++i) {
           const bool should = i < k;
           if (should != static_cast<bool>(kept[static_cast<std::size_t>(cand[static_cast<std::size_t>(i)])]))

@@ -86,6 +86,7 @@ problem<T> extract_sequence(const problem<T>& big, std::int64_t b) {
       for (std::int64_t j = 0; j < s.W; ++j)
         for (std::int64_t d = 0; d < s.D; ++d) one.q.at(0, hq, j, d) = big.q.view(b, hq, big.sh.W - s.W + j, d);
   one.wo = big.wo;
+  one.wo_mat = big.wo_mat;
   if (!big.pos.empty()) {
     one.pos.assign(static_cast<std::size_t>(s.Hkv * s.S), 0);
     for (std::int64_t h = 0; h < s.Hkv; ++h)

@@ -512,6 +512,7 @@ TEST_CASE_TEMPLATE("kinds 10 and 5: order, slot bookkeeping and logical position
   turn2.q = pr.q;
   turn2.q.view.data = turn2.q.data.data();
   turn2.wo = pr.wo;
+  turn2.wo_mat = pr.wo_mat;
   turn2.sh.S = maxk;
   turn2.lens.clear();
   turn2.pos.assign(static_cast<std::size_t>(s.B * H * maxk), -1);
