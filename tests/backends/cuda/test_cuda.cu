@@ -61,12 +61,11 @@ struct dbuf {
   }
 };
 
-/// Host inputs of one case (storage type T) and their views.
-template <class T>
-struct host_case {
+/// What a case is, without its storage type (so the result comparison is not a template).
+struct case_meta {
   int B = 1, Hkv = 2, G = 1, S = 1, W = 1, d = 8;
   kv::kv_layout layout = kv::kv_layout::hnd;
-  std::vector<T> k, v, q;
+  kv::dtype dt = kv::dtype::f32;
   std::vector<float> wo;
   std::vector<std::int32_t> lens, pos;
   unsigned seed = 0;
@@ -77,6 +76,13 @@ struct host_case {
   int Hq() const { return Hkv * G; }
   int window() const { return no_queries ? 0 : W; }
   int len_of(std::int64_t b, std::int64_t hk) const { return per_head ? lens[b * Hkv + hk] : lens[b]; }
+};
+
+/// Host inputs of one case (storage type T) and their views.
+template <class T>
+struct host_case : case_meta {
+  std::vector<T> k, v, q;
+  host_case() { dt = kv::dtype_of<T>::value; }
   kv::layer_inputs<T> views(const T* kp, const T* vp, const T* qp, const float* wop, const std::int32_t* lp,
                             const std::int32_t* pp) const {
     kv::layer_inputs<T> in;
@@ -194,11 +200,18 @@ struct compare_stats {
   long rows = 0, rows_exact = 0, rows_near_tie = 0, score_bad = 0, scores_compared = 0, kept = 0, total = 0;
 };
 
-/// Compare a GPU run with the CPU run (rules in the file comment). p_gpu: the GPU's params when
-/// they differ from the CPU's (LKV: the same tables in device memory); default p.
-template <class P, class T>
-void compare(const char* name, const host_case<T>& c, const typename P::params& p, kv::budget_request budget, compare_stats& cs,
-             const typename P::params* p_gpu = nullptr) {
+/// What the result comparison needs to know of the policy.
+struct policy_meta {
+  kv::selectors::topk::params selector;
+  kv::gqa_reduction gqa = kv::gqa_reduction::mean;
+  bool adakv = false;       ///< score-dependent (AdaKV) budgets: near-ties of the layer threshold allowed
+  bool has_scores = true;   ///< the scorer produces scores
+};
+
+/// Compare a GPU run with the CPU run of one case (rules in the file comment). Not a template:
+/// one copy for every policy and storage type.
+void compare_results(const char* name, const case_meta& c, const policy_meta& pm, kv::budget_request budget, const cpu_result& cr,
+                     const gpu_result& gr, compare_stats& cs) {
   CAPTURE(name);
   CAPTURE(c.seed);
   CAPTURE(c.S);
@@ -206,23 +219,20 @@ void compare(const char* name, const host_case<T>& c, const typename P::params& 
   CAPTURE(c.d);
   CAPTURE(c.G);
   CAPTURE(kv::to_string(c.layout));
-  CAPTURE(kv::to_string(kv::dtype_of<T>::value));
+  CAPTURE(kv::to_string(c.dt));
   CAPTURE(budget.keep_tokens);
   CAPTURE(budget.keep_fraction);
-  CAPTURE(kv::to_string(p.gqa));
+  CAPTURE(kv::to_string(pm.gqa));
   CAPTURE(c.layer_idx);
   CAPTURE(c.per_head);
   CAPTURE(c.no_queries);
-  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
-  const cpu_result cr = kvevict_test::cpu_run<P, T>(hin, p, budget);
   REQUIRE_MESSAGE(cr.st.ok(), cr.st.message());
-  const gpu_result gr = gpu_run<P, T>(c, p_gpu ? *p_gpu : p, budget);
   REQUIRE_MESSAGE(gr.st.ok(), gr.st.message());
   REQUIRE_MESSAGE(gr.dev.ok(), gr.dev.message());
   const std::int64_t rows = static_cast<std::int64_t>(cr.indptr.size()) - 1, S = c.S;
   REQUIRE(gr.indptr.size() == cr.indptr.size());
   CHECK(gr.capacity >= cr.indptr.back());
-  const bool adakv = std::is_same<typename P::budgeter, kv::budgeters::adakv>::value;
+  const bool adakv = pm.adakv;
   const std::int64_t H = rows / c.B;
   // budgets
   bool budgets_equal = true;
@@ -236,7 +246,7 @@ void compare(const char* name, const host_case<T>& c, const typename P::params& 
       std::vector<float> all;
       std::int64_t total_t = 0;
       for (std::int64_t h = 0; h < H; ++h) {
-        const auto pl = kv::detail::plan_head(budget, p.selector, c.lens[b], c.W);
+        const auto pl = kv::detail::plan_head(budget, pm.selector, c.lens[b], c.W);
         if (pl.pass_through) continue;
         total_t += pl.base_budget - pl.protected_count();
         for (std::int64_t n = pl.sinks; n < pl.evictable_end(); ++n) all.push_back(cr.scores[(b * H + h) * S + n]);
@@ -281,10 +291,10 @@ void compare(const char* name, const host_case<T>& c, const typename P::params& 
     }
     std::vector<std::int32_t> ci(cr.indices.begin() + cb, cr.indices.begin() + ce);
     std::vector<std::int32_t> gi(gr.indices.begin() + gb, gr.indices.begin() + ge);
-    const auto pl = kv::detail::plan_head(budget, p.selector, L, c.window());
+    const auto pl = kv::detail::plan_head(budget, pm.selector, L, c.window());
     const std::int64_t cnt = ce - cb;
     bool must_equal = true;
-    if (!pl.pass_through && cnt < L && P::scorer::has_scores) {
+    if (!pl.pass_through && cnt < L && pm.has_scores) {
       const std::int64_t c0 = pl.sinks, c1 = L - pl.recent, kk = cnt - pl.protected_count();
       if (kk > 0 && kk < c1 - c0) {
         std::vector<float> s(cr.scores.begin() + r * S + c0, cr.scores.begin() + r * S + c1);
@@ -307,6 +317,22 @@ void compare(const char* name, const host_case<T>& c, const typename P::params& 
     }
   }
   if (adakv && !budgets_equal) MESSAGE("adakv budgets differ (near-tie of the layer threshold) in ", name);
+}
+
+/// Run one case on the CPU (params p) and the GPU (p_gpu, default p: LKV passes the same
+/// tables in device memory) and compare.
+template <class P, class T>
+void compare(const char* name, const host_case<T>& c, const typename P::params& p, kv::budget_request budget, compare_stats& cs,
+             const typename P::params* p_gpu = nullptr) {
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  const cpu_result cr = kvevict_test::cpu_run<P, T>(hin, p, budget);
+  const gpu_result gr = cr.st.ok() ? gpu_run<P, T>(c, p_gpu ? *p_gpu : p, budget) : gpu_result{};
+  policy_meta pm;
+  pm.selector = p.selector;
+  pm.gqa = p.gqa;
+  pm.adakv = std::is_same<typename P::budgeter, kv::budgeters::adakv>::value;
+  pm.has_scores = P::scorer::has_scores;
+  compare_results(name, c, pm, budget, cr, gr, cs);
 }
 
 template <class T>
