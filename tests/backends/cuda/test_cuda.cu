@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -880,6 +881,102 @@ TEST_CASE("host: team_apportion (the CUDA plan kernel's apportionment) equals de
   CHECK(too_many > 0);  // the rank-0 pass was exercised
   CHECK(capped > 0);
   MESSAGE("team_apportion: ", cases, " cases x team sizes 1/3/8, ", too_many, " with the rounding-excess pass");
+}
+
+/// lkv_mlp_tile's context as the 256 host threads of one block.
+struct host_block_shared {
+  host_team_shared bar;
+  std::vector<double> xchg;
+};
+struct host_block_ctx {
+  host_block_shared* sh;
+  int tid;
+  void sync() { sh->bar.barrier(); }
+  double shfl_xor(double v, int o) {
+    sh->xchg[static_cast<std::size_t>(tid)] = v;
+    sh->bar.barrier();
+    const double r = sh->xchg[static_cast<std::size_t>(tid ^ o)];
+    sh->bar.barrier();
+    return r;
+  }
+};
+
+/// Run lkv_mlp_tile (the code of the CUDA LKV-T kernel) block by block with host threads and
+/// compare every written score with learned_mlp::utility on the fp32-widened rows.
+template <class T>
+void check_lkv_tile(unsigned seed, int d, int hidden, int S, int G, kv::lkv_activation act, kv::kv_layout lay, long& compared) {
+  CAPTURE(seed);
+  CAPTURE(d);
+  CAPTURE(hidden);
+  CAPTURE(S);
+  CAPTURE(kv::to_string(kv::dtype_of<T>::value));
+  const int B = 2, Hkv = 2, layer = 1;
+  const auto art = make_tables(seed, 2, Hkv, d, hidden, act, 1.0f);
+  const auto c = make_case<T>(seed, B, Hkv, G, S, std::min(S, 8), d, lay, false);
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  std::vector<std::int32_t> len(static_cast<std::size_t>(B) * Hkv);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hkv; ++h) len[static_cast<std::size_t>(b * Hkv + h)] = c.len_of(b, h);
+  std::vector<std::uint8_t> needkv(len.size(), 1);
+  needkv[1] = 0;  // a KV head that needs no scores is left alone
+  kv::cuda::detail::lkv_mlp_args m;
+  m.block = art.block();
+  m.w = art.mlp.data() + static_cast<std::int64_t>(layer) * Hkv * m.block;
+  m.hidden = hidden;
+  m.relu = act == kv::lkv_activation::relu ? 1 : 0;
+  const float sentinel = -12345.0f;
+  std::vector<float> out(static_cast<std::size_t>(B) * Hkv * G * S, sentinel);
+  const int nbx = (S + kv::cuda::detail::lkv_tile_tokens - 1) / kv::cuda::detail::lkv_tile_tokens;
+  for (int kvi = 0; kvi < B * Hkv; ++kvi)
+    for (int bx = 0; bx < nbx; ++bx) {
+      host_block_shared sh;
+      sh.bar.nt = kv::cuda::detail::block_threads;
+      sh.xchg.assign(static_cast<std::size_t>(kv::cuda::detail::block_threads), 0.0);
+      auto sm = std::make_unique<kv::cuda::detail::lkv_mlp_smem>();
+      std::vector<std::thread> th;
+      for (int t = 0; t < kv::cuda::detail::block_threads; ++t)
+        th.emplace_back([&, t] {
+          host_block_ctx cx{&sh, t};
+          kv::cuda::detail::lkv_mlp_tile<T>(cx, t, bx, kvi, *sm, hin.keys, hin.values, len.data(), needkv.data(), Hkv, G, S, m,
+                                            out.data());
+        });
+      for (auto& x : th) x.join();
+    }
+  const auto sp = kv::io::scorer_params(art);
+  std::vector<float> kf(static_cast<std::size_t>(d)), vf(static_cast<std::size_t>(d));
+  long bad = 0, nonzero = 0;
+  for (int kvi = 0; kvi < B * Hkv; ++kvi) {
+    const int b = kvi / Hkv, h = kvi % Hkv, L = len[static_cast<std::size_t>(kvi)];
+    for (int n = 0; n < S; ++n) {
+      float want = sentinel;
+      if (needkv[static_cast<std::size_t>(kvi)] && n < L) {
+        for (int x = 0; x < d; ++x) {
+          kf[static_cast<std::size_t>(x)] = kv::to_float(hin.keys(b, h, n, x));
+          vf[static_cast<std::size_t>(x)] = kv::to_float(hin.values(b, h, n, x));
+        }
+        want = kv::scorers::learned_mlp::utility(sp, layer, h, kf.data(), vf.data());
+        nonzero += want != 0.0f;
+      }
+      for (int g = 0; g < G; ++g) {
+        const float got = out[(static_cast<std::size_t>(kvi) * G + g) * S + n];
+        ++compared;
+        if (!(std::fabs(got - want) <= 1e-6f * std::fabs(want) + 1e-6f)) {
+          if (bad < 5) MESSAGE("kvi ", kvi, " g ", g, " n ", n, ": got ", got, " want ", want);
+          ++bad;
+        }
+      }
+    }
+  }
+  CHECK(bad == 0);
+  CHECK(nonzero > 0);
+}
+
+TEST_CASE("host: lkv_mlp_tile (the CUDA LKV-T kernel's block code) equals learned_mlp::utility") {
+  long compared = 0;
+  check_lkv_tile<kv::bfloat16_t>(201, 8, 32, 129, 2, kv::lkv_activation::silu, kv::kv_layout::hnd, compared);
+  check_lkv_tile<kv::half_t>(202, 24, 40, 70, 1, kv::lkv_activation::relu, kv::kv_layout::nhd, compared);
+  check_lkv_tile<float>(203, 128, 8, 200, 1, kv::lkv_activation::silu, kv::kv_layout::nhd, compared);
+  MESSAGE("lkv_mlp_tile: ", compared, " scores compared");
 }
 
 TEST_CASE("host: LKV device-check messages") {

@@ -12,6 +12,7 @@
 
 #include <math_constants.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "kvevict/backends/cuda/backend.cuh"
@@ -345,8 +346,8 @@ inline constexpr int lkv_tile_tokens = 128;
 inline constexpr int lkv_tile_k = 32;
 inline constexpr int lkv_tile_h = 32;
 
-/// LKV-T utilities: out[((b * Hkv + h) * Gq + g) * S + n] = u_n for every valid token n of
-/// every scored KV head, the same value in its Gq query-head rows, with
+/// lkv_mlp_kernel (below), LKV-T utilities: out[((b * Hkv + h) * Gq + g) * S + n] = u_n for
+/// every valid token n of every scored KV head, the same value in its Gq query-head rows, with
 /// u = b2 + sum_j w2_j act(b1_j + W1_j . [k_n ; v_n]) (scorers::learned_mlp::utility: fp32
 /// tables and inputs, fp64 products and sums, NaN -> 0, saturated to the float range).
 /// The layer's MLP applied to a tile of tokens is a small GEMM, X (tokens x 2d) W1^T (2d x
@@ -359,16 +360,25 @@ inline constexpr int lkv_tile_h = 32;
 /// activation, weights by w2 and sums the hidden units of a token across the 8 threads that
 /// hold them (warp shuffles). The weights are read once per block from global memory (L2
 /// resident: a head's MLP is 33 KB at head_dim 128, hidden 32); K and V once in all.
-template <class T>
-__global__ void __launch_bounds__(block_threads) lkv_mlp_kernel(kv_view<const T> keys, kv_view<const T> values,
-                                                                const std::int32_t* len, const std::uint8_t* needkv, int Hkv,
-                                                                int Gq, std::int64_t S, lkv_mlp_args m, float* out) {
-  __shared__ double xs[lkv_tile_k][lkv_tile_tokens + 1];
-  __shared__ double ws[lkv_tile_k][lkv_tile_h + 1];
-  const int kvi = blockIdx.y;
+///
+/// Shared memory of one lkv_mlp_tile() block.
+struct lkv_mlp_smem {
+  double xs[lkv_tile_k][lkv_tile_tokens + 1];  ///< a 32-input slice of the tile's [k ; v] (padded rows)
+  double ws[lkv_tile_k][lkv_tile_h + 1];       ///< the matching 32 x 32 slice of W1
+};
+
+/// The work of one block of lkv_mlp_kernel (block (bx, kvi), thread tid of 256), written
+/// against a context `cx` with sync() (block barrier) and shfl_xor(double, int) (warp
+/// butterfly), so the host test can run the very same code with host threads. Every thread of
+/// the block calls it; the early returns are uniform over the block.
+#pragma nv_exec_check_disable
+template <class T, class Ctx>
+KVEVICT_HOST_DEVICE inline void lkv_mlp_tile(Ctx& cx, int tid, int bx, int kvi, lkv_mlp_smem& sm, const kv_view<const T>& keys,
+                                             const kv_view<const T>& values, const std::int32_t* len, const std::uint8_t* needkv,
+                                             int Hkv, int Gq, std::int64_t S, const lkv_mlp_args& m, float* out) {
   if (!needkv[kvi]) return;
   const std::int64_t L = len[kvi];
-  const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.x) * lkv_tile_tokens;
+  const std::int64_t n0 = static_cast<std::int64_t>(bx) * lkv_tile_tokens;
   if (n0 >= L) return;  // uniform over the block
   const int b = kvi / Hkv, h = kvi % Hkv;
   const int d = static_cast<int>(keys.extent[3]), in_dim = 2 * d, hidden = m.hidden;
@@ -377,7 +387,7 @@ __global__ void __launch_bounds__(block_threads) lkv_mlp_kernel(kv_view<const T>
   const float* W1 = m.w + static_cast<std::int64_t>(h) * m.block;
   const float* b1 = W1 + static_cast<std::int64_t>(hidden) * in_dim;
   const float* w2 = b1 + hidden;
-  const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;  // tokens ty + 32 a, hidden units tx + 8 c
+  const int tx = tid & 7, ty = tid >> 3;  // tokens ty + 32 a, hidden units tx + 8 c
   double part[4] = {0.0, 0.0, 0.0, 0.0};
   for (int jc = 0; jc < hidden; jc += lkv_tile_h) {
     double acc[4][4];
@@ -386,7 +396,7 @@ __global__ void __launch_bounds__(block_threads) lkv_mlp_kernel(kv_view<const T>
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[a][c] = 0.0;
     for (int kc = 0; kc < in_dim; kc += lkv_tile_k) {
-      __syncthreads();  // the previous slice is consumed
+      cx.sync();  // the previous slice is consumed
 #pragma unroll 4
       for (int q = 0; q < (lkv_tile_k * lkv_tile_tokens) / block_threads; ++q) {
         const int e = tid + block_threads * q, kk = e & (lkv_tile_k - 1), tok = e / lkv_tile_k;
@@ -396,22 +406,22 @@ __global__ void __launch_bounds__(block_threads) lkv_mlp_kernel(kv_view<const T>
         if (n < L && i < in_dim)
           x = i < d ? to_float(kb[n * keys.stride[2] + static_cast<std::int64_t>(i) * keys.stride[3]])
                     : to_float(vb[n * values.stride[2] + static_cast<std::int64_t>(i - d) * values.stride[3]]);
-        xs[kk][tok] = static_cast<double>(x);
+        sm.xs[kk][tok] = static_cast<double>(x);
       }
 #pragma unroll
       for (int q = 0; q < (lkv_tile_k * lkv_tile_h) / block_threads; ++q) {
         const int e = tid + block_threads * q, kk = e & (lkv_tile_k - 1), jj = e / lkv_tile_k;
         const int i = kc + kk, j = jc + jj;
-        ws[kk][jj] = (i < in_dim && j < hidden) ? static_cast<double>(W1[static_cast<std::int64_t>(j) * in_dim + i]) : 0.0;
+        sm.ws[kk][jj] = (i < in_dim && j < hidden) ? static_cast<double>(W1[static_cast<std::int64_t>(j) * in_dim + i]) : 0.0;
       }
-      __syncthreads();
+      cx.sync();
 #pragma unroll 8
       for (int k = 0; k < lkv_tile_k; ++k) {
         double xv[4], wv[4];
 #pragma unroll
-        for (int a = 0; a < 4; ++a) xv[a] = xs[k][ty + 32 * a];
+        for (int a = 0; a < 4; ++a) xv[a] = sm.xs[k][ty + 32 * a];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) wv[c] = ws[k][tx + 8 * c];
+        for (int c = 0; c < 4; ++c) wv[c] = sm.ws[k][tx + 8 * c];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
@@ -435,17 +445,35 @@ __global__ void __launch_bounds__(block_threads) lkv_mlp_kernel(kv_view<const T>
   // the 8 threads of a token group are consecutive lanes (tid = 8 ty + tx)
 #pragma unroll
   for (int a = 0; a < 4; ++a)
-    for (int o = 4; o > 0; o >>= 1) part[a] += __shfl_xor_sync(0xffffffffu, part[a], o);
+    for (int o = 4; o > 0; o >>= 1) part[a] += cx.shfl_xor(part[a], o);
   if (tx == 0) {
     const double b2 = static_cast<double>(w2[hidden]);
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
       const std::int64_t n = n0 + ty + 32 * a;
       if (n >= L) continue;
-      const float u = saturate(b2 + part[a]);
-      for (int g = 0; g < Gq; ++g) out[(static_cast<std::int64_t>(kvi) * Gq + g) * S + n] = u;
+      double u = b2 + part[a];  // NaN -> 0, saturated to the float range (as learned_mlp::utility)
+      const double mx = 3.4028234663852886e38;
+      u = (u == u) ? (u > mx ? mx : (u < -mx ? -mx : u)) : 0.0;
+      for (int g = 0; g < Gq; ++g) out[(static_cast<std::int64_t>(kvi) * Gq + g) * S + n] = static_cast<float>(u);
     }
   }
+}
+
+/// The device context of lkv_mlp_tile().
+struct lkv_device_ctx {
+  __device__ void sync() { __syncthreads(); }
+  __device__ double shfl_xor(double v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+};
+
+template <class T>
+__global__ void __launch_bounds__(block_threads) lkv_mlp_kernel(kv_view<const T> keys, kv_view<const T> values,
+                                                                const std::int32_t* len, const std::uint8_t* needkv, int Hkv,
+                                                                int Gq, std::int64_t S, lkv_mlp_args m, float* out) {
+  __shared__ lkv_mlp_smem sm;
+  lkv_device_ctx cx;
+  lkv_mlp_tile<T>(cx, static_cast<int>(threadIdx.x), static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), sm, keys, values,
+                  len, needkv, Hkv, Gq, S, m, out);
 }
 
 /// Power-of-two value scale of a KV head (as the CPU backend): values whose largest |v| is
