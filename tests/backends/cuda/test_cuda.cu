@@ -777,6 +777,7 @@ struct host_team {
   int r;
   int rank() const { return r; }
   int size() const { return sh->nt; }
+  void sync() { sh->barrier(); }
   long long sum(long long v) {
     sh->barrier();
     sh->iv[r] = v;
@@ -881,6 +882,86 @@ TEST_CASE("host: team_apportion (the CUDA plan kernel's apportionment) equals de
   CHECK(too_many > 0);  // the rank-0 pass was exercised
   CHECK(capped > 0);
   MESSAGE("team_apportion: ", cases, " cases x team sizes 1/3/8, ", too_many, " with the rounding-excess pass");
+}
+
+TEST_CASE("host: lkv_sequence_budgets (the CUDA plan kernel's LKV-H code) equals the CPU hook") {
+  using Bu = kv::budgeters::headwise_learned;
+  std::mt19937 rng(5);
+  int ok_cases = 0, err_cases = 0, evicting = 0;
+  for (int cs = 0; cs < 80; ++cs) {
+    CAPTURE(cs);
+    const int kvh = 1 + static_cast<int>(rng() % 4), layers = 1 + static_cast<int>(rng() % 8);
+    const auto art = make_tables(700u + static_cast<unsigned>(cs), layers, kvh, 1, 1, kv::lkv_activation::silu,
+                                 cs % 3 ? 1.0f : 0.5f);
+    auto p = kv::io::budgeter_params(art);
+    p.min_budget = cs % 5 == 0 ? static_cast<std::int32_t>(rng() % 8) : 0;
+    const bool mode_b = cs % 4 == 1;
+    const std::int64_t L = 1 + rng() % 2000;
+    if (mode_b) p.num_tokens = L + static_cast<std::int64_t>(rng() % 50);
+    const std::int64_t n = art.heads();
+    std::vector<double> r(static_cast<std::size_t>(n));
+    REQUIRE(kv::detail::lkv_ratios(art.logits.data(), n, static_cast<double>(p.temperature), r.data()));
+    const kv::budget_request req = cs % 2 ? kv::budget_request::fraction(0.02 + 0.96 * (rng() % 100) / 100.0)
+                                          : kv::budget_request::tokens(8 + static_cast<int>(rng() % 400));
+    kv::selectors::topk::params sp;
+    sp.num_sink = static_cast<std::int32_t>(rng() % 3);
+    sp.num_recent = cs % 3 == 0 ? 0 : static_cast<std::int32_t>(rng() % 6);
+    const int G = 1 + static_cast<int>(rng() % 3), rows = kvh * G, layer = static_cast<int>(rng() % static_cast<unsigned>(layers));
+    std::vector<kv::detail::head_plan> plans(static_cast<std::size_t>(rows));
+    for (int h = 0; h < rows; ++h) {
+      std::int64_t Lh = L;
+      if ((mode_b || cs % 7 == 3) && h / G == kvh - 1 && kvh > 1) Lh = std::max<std::int64_t>(1, L / 2);  // unequal lengths
+      plans[static_cast<std::size_t>(h)] = kv::detail::plan_head(req, sp, Lh, 32);
+    }
+    std::vector<std::int64_t> want(static_cast<std::size_t>(rows), -1);
+    const kv::status cst = Bu::layer_budgets(p, req, plans.data(), rows, kvh, layer, layers, want.data());
+    auto pd = p;
+    pd.on_device = true;
+    pd.ratios = r.data();
+    std::vector<double> share(static_cast<std::size_t>(n));
+    std::vector<std::int64_t> capv(static_cast<std::size_t>(n)), all(static_cast<std::size_t>(n)), got(static_cast<std::size_t>(rows), -1);
+    std::vector<unsigned char> clipped(static_cast<std::size_t>(n));
+    std::vector<std::uint8_t> need(static_cast<std::size_t>(rows), 7);
+    kv::detail::lkv_fill_scratch sc;
+    sc.share = share.data();
+    sc.capv = capv.data();
+    sc.clipped = clipped.data();
+    Bu::slice_state lst{};
+    int lrc = -1;
+    long long lbad[3] = {0, 0, 0};
+    host_team_shared sh;
+    sh.nt = 8;
+    sh.iv.assign(8, 0);
+    sh.fv.assign(8, 0.0);
+    std::vector<std::thread> th;
+    for (int t = 0; t < 8; ++t)
+      th.emplace_back([&, t] {
+        host_team tm{&sh, t};
+        kv::cuda::detail::lkv_sequence_budgets<Bu>(tm, lst, lrc, lbad, pd, req, plans.data(), rows, layer, true, sc, all.data(),
+                                                   got.data(), need.data());
+      });
+    for (auto& x : th) x.join();
+    if (cst.ok()) {
+      ++ok_cases;
+      CHECK(lrc == Bu::slice_ok);
+      CHECK(got == want);
+      bool ev = false;
+      for (int h = 0; h < rows; ++h) {
+        const bool nd = want[static_cast<std::size_t>(h)] < plans[static_cast<std::size_t>(h)].length;
+        CHECK(need[static_cast<std::size_t>(h)] == (nd ? 1 : 0));
+        ev = ev || nd;
+      }
+      evicting += ev;
+    } else {
+      ++err_cases;
+      CHECK_MESSAGE(lrc == Bu::slice_unequal_lengths, cst.message());
+    }
+  }
+  CHECK(ok_cases > 40);
+  CHECK(err_cases > 0);
+  CHECK(evicting > 20);
+  MESSAGE("lkv_sequence_budgets: ", ok_cases, " cases equal to the CPU hook (", evicting, " evicting), ", err_cases,
+          " unequal-length errors");
 }
 
 /// lkv_mlp_tile's context as the 256 host threads of one block.

@@ -107,6 +107,7 @@ struct block_team {
   storage& sm;
   __device__ int rank() const { return static_cast<int>(threadIdx.x); }
   __device__ int size() const { return static_cast<int>(blockDim.x); }
+  __device__ void sync() { __syncthreads(); }
   __device__ long long sum(long long v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
     __syncthreads();  // the previous collective's readers are done with sm
@@ -167,14 +168,51 @@ struct layer_budget_scratch {
   std::int64_t n = 0;
 };
 
+/// The LKV-H budgets of one sequence (every rank of the team calls it; on the device the
+/// plan kernel's block): rank 0 runs headwise_learned::slice_begin and the water-filling
+/// shares, the team apportions (team_apportion), rank 0 applies the layer's slice and sets the
+/// "needs scoring" flags. plans / budgets / need: the sequence's `rows` out rows; scratch:
+/// the sequence's slice of the workspace. lst, lrc, lbad: storage shared by the team (CUDA
+/// shared memory); after the call lrc is the slice_result and, when it is not slice_ok, lbad
+/// holds its arguments (budgets are then the lengths). Host and device (the host test runs it
+/// with host threads).
+#pragma nv_exec_check_disable
+template <class Budgeter, class Team>
+KVEVICT_HOST_DEVICE void lkv_sequence_budgets(Team& tm, typename Budgeter::slice_state& lst, int& lrc, long long* lbad,
+                                              const typename Budgeter::params& bp, const budget_request& req, const head_plan* plans,
+                                              int rows, int layer, bool has_scores, const kvevict::detail::lkv_fill_scratch& s,
+                                              std::int64_t* all, std::int64_t* budgets, std::uint8_t* need) {
+  if (tm.rank() == 0) {
+    std::int64_t bad[3] = {0, 0, 0};
+    lst = Budgeter::slice_begin(bp, req, plans, rows, bad);
+    int rc = lst.rc;
+    if (rc == Budgeter::slice_ok && !lst.all_pass && !Budgeter::slice_shares(lst, bp.ratios, s, bad))
+      rc = Budgeter::slice_cannot_apportion;
+    for (int i = 0; i < 3; ++i) lbad[i] = bad[i];
+    lrc = rc;
+  }
+  tm.sync();
+  if (lrc == Budgeter::slice_ok && !lst.all_pass) team_apportion(tm, s.share, s.capv, lst.n, lst.total - lst.n * lst.fl, all);
+  tm.sync();
+  if (tm.rank() == 0) {
+    if (lrc == Budgeter::slice_ok) Budgeter::slice_end(bp, lst, plans, rows, layer, all, budgets);
+    for (int h = 0; h < rows; ++h) {
+      if (lrc != Budgeter::slice_ok) budgets[h] = plans[h].length;
+      need[h] = (has_scores && budgets[h] < plans[h].length) ? 1 : 0;
+    }
+  }
+  tm.sync();
+}
+
 /// One block per sequence: validate and clamp lengths (device status on error), plan every
 /// KV head and out row, score-free budgets, the "needs scoring" flags (per row and per KV head).
-/// Layer budgeters (LKV-H): the steps of budgeters::headwise_learned::layer_slice, the code of
-/// the CPU hook, on the precomputed ratios (bp.ratios) with the sequence's slice of `lb` as
-/// scratch: thread 0 runs slice_begin and the water-filling shares (O(n) per clipping round,
-/// n = num_layers * kv_heads), the block runs the apportionment (team_apportion: apportion's
-/// result bit for bit), thread 0 applies the layer's slice. Budgets are bit-identical to the
-/// CPU's. Unequal lengths with num_tokens = 0 -> device_check::lkv_lengths.
+/// Layer budgeters (LKV-H): lkv_sequence_budgets, i.e. the steps of
+/// budgeters::headwise_learned::layer_slice (the code of the CPU hook) on the precomputed
+/// ratios (bp.ratios) with the sequence's slice of `lb` as scratch: thread 0 runs slice_begin
+/// and the water-filling shares (O(n) per clipping round, n = num_layers * kv_heads), the
+/// block runs the apportionment (team_apportion: apportion's result bit for bit), thread 0
+/// applies the layer's slice. Budgets are bit-identical to the CPU's. Unequal lengths with
+/// num_tokens = 0 -> device_check::lkv_lengths.
 template <class Budgeter, bool HasScores>
 __global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req, selectors::topk::params sp,
                             typename Budgeter::params bp, device_status* st, std::int32_t* len_kv, head_plan* plankv,
@@ -219,6 +257,7 @@ __global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req
   if constexpr (layer_budgeter) {
     __shared__ typename Budgeter::slice_state lst;
     __shared__ int lrc;
+    __shared__ long long lbad[3];
     __shared__ block_team::storage team_sm;
     const std::int64_t r0 = static_cast<std::int64_t>(b) * sh.H, o = static_cast<std::int64_t>(b) * lb.n;
     kvevict::detail::lkv_fill_scratch s;
@@ -226,31 +265,13 @@ __global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req
     s.capv = lb.capv + o;
     s.clipped = lb.clipped + o;
     __syncthreads();  // the plans of the sequence are written
-    if (threadIdx.x == 0) {
-      std::int64_t bad[3] = {0, 0, 0};
-      lst = Budgeter::slice_begin(bp, req, plans + r0, sh.H, bad);
-      int rc = lst.rc;
-      if (rc == Budgeter::slice_ok && !lst.all_pass && !Budgeter::slice_shares(lst, bp.ratios, s, bad))
-        rc = Budgeter::slice_cannot_apportion;
-      if (rc == Budgeter::slice_unequal_lengths)
-        report(st, errc::invalid_argument, device_check::lkv_lengths, b, bad[0], bad[1], bad[2]);
-      else if (rc != Budgeter::slice_ok)
-        report(st, errc::invalid_argument, device_check::lkv_apportion, b, bad[0], bad[1], bad[2]);
-      lrc = rc;
-    }
-    __syncthreads();
-    if (lrc == Budgeter::slice_ok && !lst.all_pass) {  // uniform over the block
-      block_team team{team_sm};
-      team_apportion(team, s.share, s.capv, lst.n, lst.total - lst.n * lst.fl, lb.all + o);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      if (lrc == Budgeter::slice_ok) Budgeter::slice_end(bp, lst, plans + r0, sh.H, sh.layer, lb.all + o, budgets + r0);
-      for (int h = 0; h < sh.H; ++h) {
-        if (lrc != Budgeter::slice_ok) budgets[r0 + h] = plans[r0 + h].length;
-        need[r0 + h] = (HasScores && budgets[r0 + h] < plans[r0 + h].length) ? 1 : 0;
-      }
-    }
+    block_team team{team_sm};
+    lkv_sequence_budgets<Budgeter>(team, lst, lrc, lbad, bp, req, plans + r0, sh.H, sh.layer, HasScores, s, lb.all + o, budgets + r0,
+                                   need + r0);
+    if (threadIdx.x == 0 && lrc == Budgeter::slice_unequal_lengths)
+      report(st, errc::invalid_argument, device_check::lkv_lengths, b, lbad[0], lbad[1], lbad[2]);
+    else if (threadIdx.x == 0 && lrc != Budgeter::slice_ok)
+      report(st, errc::invalid_argument, device_check::lkv_apportion, b, lbad[0], lbad[1], lbad[2]);
   }
   __syncthreads();
   if (sh.layer_mean && threadIdx.x == 0) {
