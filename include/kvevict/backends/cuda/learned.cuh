@@ -11,10 +11,11 @@
 // How the pieces run on the device (backends/cuda/evictor.cuh, docs/cuda.md):
 //  - scorers::learned_mlp: cuda::detail::lkv_mlp_kernel, a shared-memory tiled fp64 GEMM of
 //    the tokens' [k ; v] with the layer's MLPs, into the per-query-head score rows.
-//  - budgeters::headwise_learned: thread 0 of the plan kernel's block of each sequence runs
-//    headwise_learned::layer_slice (the CPU hook's own code) on the ratios r that
-//    lkv_device_tables computed on the host with detail::lkv_ratios, so budgets are
-//    bit-identical to the CPU backend's. Scratch comes from the workspace.
+//  - budgeters::headwise_learned: the plan kernel's block of each sequence runs the steps of
+//    headwise_learned::layer_slice (the CPU hook's own host-device code; the apportionment by
+//    the whole block, bit for bit) on the ratios r that lkv_device_tables computed on the host
+//    with detail::lkv_ratios, so budgets are bit-identical to the CPU backend's. Scratch comes
+//    from the workspace.
 //
 // The compositions below are token-for-token the ones of kvevict/backends/cpu/learned.hpp (the
 // same types, so one program may use both backends in different translation units); do not
