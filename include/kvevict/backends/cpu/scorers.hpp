@@ -45,11 +45,31 @@ struct has_cpu_hook<S, std::void_t<decltype(S::score_kv_head(std::declval<const 
                                                              std::declval<const head_inputs&>(),
                                                              std::declval<float*>()))>> : std::true_type {};
 
+/// Tokens per tile of the reconstruction scorer's "after" mode: the tile's value projections
+/// (lor_token_tile x G d floats, 512 KiB for G = 4, d = 128) stay in the core's L2 cache between
+/// the GEMM that writes them and the distance pass that reads them.
+inline constexpr std::int64_t lor_token_tile = 256;
+
+/// ||a - b||^2 of two d-vectors, fp32 differences with squares summed in fp64 (no overflow or
+/// underflow for any finite fp32 input). The exact fallback of the vectorised fp32 pass.
+inline double sq_dist_fp64(const float* a, const float* b, std::int64_t d) {
+  double s = 0.0;
+  for (std::int64_t c = 0; c < d; ++c) {
+    const double e = static_cast<double>(a[c] - b[c]);
+    s += e * e;
+  }
+  return s;
+}
+
 /// Per-thread scratch for scoring one KV head with up to `cap` tokens, window `w`, dim `d`.
 struct head_scratch {
   float* kbuf = nullptr;   // cap x d
   float* vbuf = nullptr;   // cap x d
-  float* ybuf = nullptr;   // cap x (G d)   (V [R_1 .. R_G]^T, one GEMM per GQA group)
+  float* ybuf = nullptr;   // "before" mode: cap x (G d) (V [R_1 .. R_G]^T, one GEMM per GQA
+                           // group); "after" mode: lor_token_tile x (G d), one token tile
+  float* rzs = nullptr;    // G x d ("after" mode: R_g z_g of every query head of the group)
+  float* adom = nullptr;   // G     ("after" mode: a_bar of each head's dominant token)
+  std::int64_t* dom = nullptr;  // G
   float* qbuf = nullptr;   // G * w x d (staged queries)
   float* logits = nullptr; // rb x cap
   float* probs = nullptr;  // rb x cap
@@ -65,13 +85,19 @@ struct head_scratch {
   float* wbuf = nullptr;        // C x d   (W_O^h staged, attention_value_norm only)
   float* pbuf = nullptr;        // value_norm_token_block x C (projected values of a token block)
 
+  /// full_y: the value projections of all `cap` tokens are held at once (the reconstruction
+  /// scorer's "before" mode); otherwise one tile of lor_token_tile tokens.
   template <class Carver>
-  void carve(Carver& c, std::int64_t cap, std::int64_t w, std::int64_t d, std::int64_t G) {
+  void carve(Carver& c, std::int64_t cap, std::int64_t w, std::int64_t d, std::int64_t G, bool full_y = true) {
     const std::int64_t rb = attention_row_block;
     const std::size_t n = static_cast<std::size_t>(cap);
+    const std::size_t g1 = static_cast<std::size_t>(std::max<std::int64_t>(G, 1));
     kbuf = c.template carve<float>(n * d);
     vbuf = c.template carve<float>(n * d);
-    ybuf = c.template carve<float>(n * d * static_cast<std::size_t>(std::max<std::int64_t>(G, 1)));
+    ybuf = c.template carve<float>((full_y ? n : std::min<std::size_t>(n, lor_token_tile)) * d * g1);
+    rzs = c.template carve<float>(g1 * static_cast<std::size_t>(d));
+    adom = c.template carve<float>(g1);
+    dom = c.template carve<std::int64_t>(g1);
     qbuf = c.template carve<float>(static_cast<std::size_t>(G * std::max<std::int64_t>(w, 1) * d));
     logits = c.template carve<float>(rb * n);
     probs = c.template carve<float>(rb * n);
@@ -289,18 +315,29 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
     // Value projections of the whole GQA group in one GEMM: Y_all = V [R_1; ..; R_G]^T, an
     // L x (G d) matrix whose columns [g d, g d + d) are Y_g = V R_g^T (V is packed once, not G
     // times). In value space Y = V for every head.
+    // "before" mode holds them for all L tokens (y_stride = G d; value space: Y = V itself);
+    // "after" mode computes them tile by tile after the loop over the group's heads.
+    const bool before_mode = [&] {
+      if constexpr (is_lor) return P.scorer.aggregation == scorers::output_reconstruction::mode::before;
+      return false;
+    }();
+    Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rcat;
+    const float* y_base = s.ybuf;
     std::int64_t y_stride = d;
     if constexpr (is_lor) {
       if (P.scorer.use_wo) {
-        Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rcat(G * d, d);
+        rcat.resize(G * d, d);
         for (std::int64_t g = 0; g < G; ++g)
           for (std::int64_t r = 0; r < d; ++r)
             for (std::int64_t c = 0; c < d; ++c) rcat(g * d + r, c) = in.wo_factor(h * G + g, r, c);
         y_stride = G * d;
-        map_rm Yall(s.ybuf, L, G * d, Eigen::OuterStride<>(G * d));
-        Yall.noalias() = V * rcat.transpose();
+        if (before_mode) {
+          map_rm Yall(s.ybuf, L, G * d, Eigen::OuterStride<>(G * d));
+          Yall.noalias() = V * rcat.transpose();
+        }
       } else {
-        map_rm(s.ybuf, L, d, Eigen::OuterStride<>(d)) = V;
+        y_base = V.data();
+        y_stride = V.outerStride();
       }
     }
 
@@ -328,11 +365,8 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
         for (std::int64_t r = 0; r < d; ++r)
           for (std::int64_t c = 0; c < d; ++c) R(r, c) = in.wo_factor(hq, r, c);
       }
-      map_rm Y(s.ybuf + (y_stride == d ? 0 : g * d), L, d, Eigen::OuterStride<>(y_stride));
-      const bool before = [&] {
-        if constexpr (is_lor) return P.scorer.aggregation == scorers::output_reconstruction::mode::before;
-        return false;
-      }();
+      cmap_rm Y(y_base + (use_r ? g * d : 0), before_mode ? L : 0, d, Eigen::OuterStride<>(y_stride));
+      const bool before = before_mode;
       Eigen::VectorXf ynorm2;
       if (before) ynorm2 = Y.rowwise().squaredNorm();
       vec_map acc(s.acc, L);
@@ -425,46 +459,104 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
         if (before) {
           for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(static_cast<double>(s.acc[n]) * out_scale);
         } else {
-          // "after": z = sum_{n < zlim} a[n] v_n; s[n] = a/(1-a) ||R z - Y_n||^tau
-          const std::int64_t zlim = P.scorer.include_window_in_output ? L : L - w;
-          Eigen::VectorXf z = Eigen::VectorXf::Zero(d);
-          if (zlim > 0) z.noalias() = V.topRows(zlim).transpose() * abar.head(zlim);
-          Eigen::VectorXf rz = use_r ? Eigen::VectorXf(R * z) : z;
+          // "after", phase 1 (per head): a_bar and the dominant token. The scores
+          // s[n] = a/(1-a) ||R z - Y_n||^tau, z = sum_{n < zlim} a[n] v_n, are computed after this
+          // loop for the whole GQA group: z of every head in one pass over V, then Y_n = R v_n
+          // tile by tile (phase 2), then the exact limit of dominant tokens (phase 3).
           std::int64_t dom = 0;
           for (std::int64_t n = 1; n < L; ++n)
             if (s.abar[n] > s.abar[dom]) dom = n;
-          // ||R z - Y_n|| for 8 tokens at a time: each token's fp64 sum of squares runs in the
-          // same order as a plain loop over c (identical results), but 8 independent sums hide
-          // the fp64 add latency (a single running sum was latency-bound: docs/performance.md).
-          constexpr std::int64_t tok_block = 8;
-          for (std::int64_t n0 = 0; n0 < L; n0 += tok_block) {
-            const std::int64_t nb = std::min(tok_block, L - n0);
-            double d2[tok_block] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-            const float* yb = Y.data() + n0 * y_stride;
-            for (std::int64_t c = 0; c < d; ++c) {
-              const float zc = rz[c];
-              for (std::int64_t t = 0; t < nb; ++t) {
-                const double e = static_cast<double>(zc - yb[t * y_stride + c]);
-                const double sq = e * e;  // separate statement: contracts like Eigen's abs2 + sum
-                d2[t] += sq;
-              }
+          s.dom[g] = dom;
+          s.adom[g] = L > 0 ? s.abar[dom] : 0.0f;
+          std::copy(s.abar, s.abar + L, out);  // a_bar, read back by phase 2
+        }
+      } else {
+        if constexpr (std::is_same<Scorer, scorers::accumulated_attention>::value) {
+          if (P.scorer.normalize_by_visible) {
+            for (std::int64_t n = 0; n < L; ++n) {
+              const std::int64_t first_row = std::max<std::int64_t>(0, n - (L - w));
+              const std::int64_t cnt = w - first_row;
+              s.abar[n] = cnt > 0 ? s.abar[n] / static_cast<float>(cnt) : 0.0f;
             }
+          }
+        }
+        for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(s.abar[n]);
+        if constexpr (is_avn) value_l1_norms(in, hq, V, vexp, s, rows2 + g * L);
+      }
+      drift[g] = (n_front > 0 && n_rear > 0) ? d_front / static_cast<double>(n_front) - d_rear / static_cast<double>(n_rear) : 0.0;
+    }
+    if constexpr (is_lor) {
+      if (!before_mode) {
+        // "after", phase 2: z_g = V^T a_bar_g for the G heads at once (one pass over V) and R_g z_g;
+        // then per tile of lor_token_tile tokens, Y = V_tile [R_1 .. R_G]^T (one GEMM for the
+        // group; the tile stays in L2) and for every head g and token n of the tile
+        // s[n] = a/(1-a) ||R_g z_g - Y_n||^tau, a = a_bar_g[n] (held in the output row). In value
+        // space Y_n = v_n (read in place).
+        const bool use_r = P.scorer.use_wo;
+        const std::int64_t zlim = P.scorer.include_window_in_output ? L : L - w;
+        {
+          Eigen::MatrixXf Z = Eigen::MatrixXf::Zero(d, G);
+          if (zlim > 0) Z.noalias() = V.topRows(zlim).transpose() * cmap_rm(rows, G, zlim, Eigen::OuterStride<>(L)).transpose();
+          for (std::int64_t g = 0; g < G; ++g) {
+            Eigen::Map<Eigen::VectorXf> rz(s.rzs + g * d, d);
+            if (use_r) rz.noalias() = rcat.middleRows(g * d, d) * Z.col(g);
+            else rz = Z.col(g);
+          }
+        }
+        for (std::int64_t n0 = 0; n0 < L; n0 += lor_token_tile) {
+          const std::int64_t nb = std::min(lor_token_tile, L - n0);
+          const float* yb = y_base + n0 * y_stride;
+          if (use_r) {
+            map_rm Yt(s.ybuf, nb, G * d, Eigen::OuterStride<>(G * d));
+            Yt.noalias() = V.middleRows(n0, nb) * rcat.transpose();
+            yb = s.ybuf;
+          }
+          for (std::int64_t g = 0; g < G; ++g) {
+            float* out = rows + g * L;
+            const float* rz = s.rzs + g * d;
+            const float* yg = yb + (use_r ? g * d : 0);
+            // ||R z - Y_n||^2 of the tile's tokens in fp32 (vectorised over d; relative error
+            // ~1e-6). A sum that overflowed or fell below 2^-100 (|differences| near the fp32
+            // range limits) is recomputed with fp64 squares.
+            Eigen::Map<Eigen::VectorXf> d2v(s.rowtmp, nb);
+            d2v.noalias() = (cmap_rm(yg, nb, d, Eigen::OuterStride<>(y_stride)).rowwise() -
+                             Eigen::Map<const Eigen::RowVectorXf>(rz, d))
+                                .rowwise()
+                                .squaredNorm();
             for (std::int64_t t = 0; t < nb; ++t) {
               const std::int64_t n = n0 + t;
-              const float a = s.abar[n];
+              const float a = out[n];
               if (a <= 0.0f) {
                 out[n] = 0.0f;
                 continue;
               }
-              const double dist = std::sqrt(d2[t]);
+              double d2 = static_cast<double>(s.rowtmp[t]);
+              if (!(d2 <= 3.0e38) || d2 < 0x1p-100) d2 = sq_dist_fp64(rz, yg + t * y_stride, d);
+              const double dist = std::sqrt(d2);
               const double dd = tau == 1.0f ? dist : std::pow(dist, static_cast<double>(tau));
               out[n] = saturate(static_cast<double>(a) / (1.0 - static_cast<double>(a)) * dd * out_scale);
             }
           }
-          if (s.abar[dom] > 15.0f / 16.0f) {
+        }
+        // Phase 3: a dominant token (a_bar > 15/16) gets its exact limit, recomputed from the
+        // attention rows of its head (rare: only heads with such a token pay for it).
+        for (std::int64_t g = 0; g < G; ++g) {
+          if (!(s.adom[g] > 15.0f / 16.0f)) continue;
+          const std::int64_t hq = h * G + g;
+          float* out = rows + g * L;
+          const T* qbase = in.queries.data + b * in.queries.stride[0] + hq * in.queries.stride[1] +
+                           (in.window() - w) * in.queries.stride[2];
+          cmap_rm Q = stage_rows(qbase, w, d, in.queries.stride[2], in.queries.stride[3], s.qbuf);
+          Eigen::MatrixXf R;
+          if (use_r) {
+            R.resize(d, d);
+            for (std::int64_t r = 0; r < d; ++r)
+              for (std::int64_t c = 0; c < d; ++c) R(r, c) = in.wo_factor(hq, r, c);
+          }
+          {
             // Exact limit for the dominant token: a * (1-a)^(tau-1) * ||R(z_{-n} - v_n)||^tau with
             // weights of the other tokens computed relative to their largest log-weight E.
-            const std::int64_t n0 = dom;
+            const std::int64_t n0 = s.dom[g];
             Eigen::VectorXd num = Eigen::VectorXd::Zero(d);
             double den = 0.0, E = -std::numeric_limits<double>::infinity();
             for (std::int64_t j0 = row_begin; j0 < w; j0 += attention_row_block) {
@@ -507,26 +599,13 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
                                      V.row(n0).transpose().cast<double>();
               const double dist = use_r ? (R.cast<double>() * diff).norm() : diff.norm();
               const double log1m = std::log(den) + E;
-              const double a = s.abar[n0];
+              const double a = s.adom[g];
               const double sc = a * std::exp((in_z ? tau - 1.0 : -1.0) * log1m) * std::pow(dist, static_cast<double>(tau));
               out[n0] = saturate(sc * out_scale);
             }
           }
         }
-      } else {
-        if constexpr (std::is_same<Scorer, scorers::accumulated_attention>::value) {
-          if (P.scorer.normalize_by_visible) {
-            for (std::int64_t n = 0; n < L; ++n) {
-              const std::int64_t first_row = std::max<std::int64_t>(0, n - (L - w));
-              const std::int64_t cnt = w - first_row;
-              s.abar[n] = cnt > 0 ? s.abar[n] / static_cast<float>(cnt) : 0.0f;
-            }
-          }
-        }
-        for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(s.abar[n]);
-        if constexpr (is_avn) value_l1_norms(in, hq, V, vexp, s, rows2 + g * L);
       }
-      drift[g] = (n_front > 0 && n_rear > 0) ? d_front / static_cast<double>(n_front) - d_rear / static_cast<double>(n_rear) : 0.0;
     }
   } else {
     static_assert(kvevict::detail::dependent_false<Scorer>,
