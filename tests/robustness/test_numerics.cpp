@@ -332,3 +332,71 @@ TEST_CASE("kind 3: extreme adaptive-window parameters stay defined (tiny beta, h
     }
   }
 }
+
+namespace {
+
+/// Multiply every valid value of `pr` by 2^e (exact).
+template <class T>
+void scale_values_pow2(problem<T>& pr, int e) {
+  for (std::int64_t b = 0; b < pr.sh.B; ++b)
+    for (std::int64_t h = 0; h < pr.sh.Hkv; ++h)
+      for (std::int64_t t = 0; t < pr.length(b, h); ++t)
+        for (std::int64_t d = 0; d < pr.sh.D; ++d) pr.v.at(b, h, t, d) = std::ldexp(pr.v.at(b, h, t, d), e);
+}
+
+/// Exponent e with 2^(e-1) <= max |valid value| < 2^e.
+template <class T>
+int value_exponent(const problem<T>& pr) {
+  float vmax = 0.0f;
+  for (std::int64_t b = 0; b < pr.sh.B; ++b)
+    for (std::int64_t h = 0; h < pr.sh.Hkv; ++h)
+      for (std::int64_t t = 0; t < pr.length(b, h); ++t)
+        for (std::int64_t d = 0; d < pr.sh.D; ++d) vmax = std::max(vmax, std::fabs(pr.v.view(b, h, t, d)));
+  int e = 0;
+  std::frexp(vmax, &e);
+  return e;
+}
+
+/// Scale the values by 2^shift (shift chosen so that max |v| lands in [2^(top-1), 2^top)) and
+/// check that policy P selects exactly the same tokens, with primary scores scaled by
+/// 2^(score_power * shift): the scores are homogeneous in V and every step commutes with an exact
+/// power-of-two scale.
+template <class P>
+void check_value_scale(const typename P::params& params, int top, int score_power) {
+  problem<float> pr;
+  pr.init(num_shape(), 39);
+  kvevict::evictor<P, kvevict::cpu::backend> ev(params);
+  const auto budget = kvevict::budget_request::tokens(16);
+  const result r1 = run_evictor(ev, pr.in, budget);
+  REQUIRE_MESSAGE(r1.st.ok(), r1.st.message());
+  const int shift = top - value_exponent(pr);
+  scale_values_pow2(pr, shift);
+  CHECK(value_exponent(pr) == top);
+  const result r2 = run_evictor(ev, pr.in, budget);
+  REQUIRE_MESSAGE(r2.st.ok(), r2.st.message());
+  check_all_finite(r2);
+  CHECK(r2.indptr == r1.indptr);
+  CHECK(r2.indices == r1.indices);
+  std::int64_t nonzero = 0;
+  for (std::size_t i = 0; i < r1.scores.size(); ++i) {
+    const double want = std::ldexp(static_cast<double>(r1.scores[i]), score_power * shift);
+    CHECK(static_cast<double>(r2.scores[i]) == doctest::Approx(want).epsilon(1e-6));
+    nonzero += r2.scores[i] != 0.0f;
+  }
+  CHECK(nonzero > 0);
+}
+
+}  // namespace
+
+TEST_CASE("kind 3: values up to FLT_MAX keep the selection of the same values at scale 1 (ReST-KV LOR, CriticalKV)") {
+  // ReST-KV's LOR in value space, max |v| in [2^127, FLT_MAX]: the power-of-two rescaling of V must
+  // not form 2^128 in fp32 (it did: inf, every score 0, the lowest slots kept).
+  auto lor = lor_after::defaults();
+  lor.scorer.use_wo = false;
+  check_value_scale<lor_after>(lor, 128, 1);
+  check_value_scale<lor_after>(lor, 60, 1);
+  // CriticalKV: the value term ||v W_O^h||_1 is rescaled the same way (primary scores do not
+  // depend on V: score_power 0). 2^100 keeps ||v W_O||_1 below FLT_MAX.
+  check_value_scale<kvevict::presets::criticalkv>(kvevict::presets::criticalkv::defaults(), 100, 0);
+  check_value_scale<kvevict::presets::criticalkv>(kvevict::presets::criticalkv::defaults(), -60, 0);
+}

@@ -276,7 +276,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
     }
 
     // Values (scaled by a power of two into a safe range) and their projections.
-    float vscale = 1.0f;
+    double vscale = 1.0;  // 2^e in fp64: for max |v| in [2^127, FLT_MAX] 2^128 is inf in fp32
     cmap_rm V(nullptr, 0, 0, Eigen::OuterStride<>(1));
     if constexpr (is_lor) {
       const T* vbase = in.values.data + b * in.values.stride[0] + h * in.values.stride[1];
@@ -285,10 +285,10 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
       if (vmax > 0.0f && (vmax > 0x1p32f || vmax < 0x1p-32f)) {
         int e;
         std::frexp(vmax, &e);
-        vscale = std::ldexp(1.0f, e);
+        vscale = std::ldexp(1.0, e);
         map_rm vs(s.vbuf, L, d, Eigen::OuterStride<>(d));
         if (V.data() != s.vbuf) vs = V;
-        vs /= vscale;
+        scale_pow2(s.vbuf, L * d, -e);
         new (&V) cmap_rm(s.vbuf, L, d, Eigen::OuterStride<>(d));
       }
     }
@@ -310,7 +310,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
       if constexpr (is_lor) return P.scorer.tau;
       return 1.0f;
     }();
-    const double out_scale = std::pow(static_cast<double>(vscale), static_cast<double>(tau));
+    const double out_scale = std::pow(vscale, static_cast<double>(tau));
 
     // Value projections of the whole GQA group in one GEMM: Y_all = V [R_1; ..; R_G]^T, an
     // L x (G d) matrix whose columns [g d, g d + d) are Y_g = V R_g^T (V is packed once, not G
