@@ -7,6 +7,7 @@
 #pragma once
 
 #include "kvevict/core/policy.hpp"
+#include "kvevict/policies/learned.hpp"
 
 namespace kvevict {
 namespace presets {
@@ -78,4 +79,39 @@ struct streaming_llm : eviction_policy<scorers::none, temporal::last, spatial::n
 struct key_norm : eviction_policy<scorers::key_norm, temporal::last, spatial::none> {};
 
 }  // namespace presets
+
+/// LKV compositions (spec lkv.md; paper arXiv 2605.06676; docs/lkv.md). Backend-neutral: their
+/// parameters come from a trained artifact, through kvevict/backends/cpu/learned.hpp
+/// (lkv::full_params(io::lkv_artifact)) or kvevict/backends/cuda/learned.cuh
+/// (lkv::full_params(cuda::lkv_device_tables)).
+namespace lkv {
+
+/// Full LKV: learned budgets + learned scorer, no forced sinks or window (num_recent = 0).
+struct full : eviction_policy<scorers::learned_mlp, temporal::last, spatial::none, budgeters::headwise_learned> {
+  static params defaults() {
+    params p;
+    p.selector.num_recent = 0;
+    p.check_finite = true;
+    return p;
+  }
+};
+
+/// Uniform budgets + learned scorer (ablation of LKV-H), no window.
+struct uniform_budgets : eviction_policy<scorers::learned_mlp, temporal::last, spatial::none, budgeters::uniform> {
+  static params defaults() {
+    params p;
+    p.selector.num_recent = 0;
+    return p;
+  }
+};
+
+/// Learned budgets + the ReST-KV scorer and smoothers (published ReST-KV settings; the window
+/// stays protected as in ReST-KV: each head first gets its window, the rest is water-filled).
+struct budgets_restkv
+    : eviction_policy<scorers::output_reconstruction, temporal::ema, spatial::adaptive_window, budgeters::headwise_learned> {};
+
+/// Learned budgets + SnapKV's attention-weight scores (sum over the window, avg-pool 5, window kept).
+struct budgets_attention : eviction_policy<scorers::attention_weight, temporal::sum, spatial::avg_pool, budgeters::headwise_learned> {};
+
+}  // namespace lkv
 }  // namespace kvevict

@@ -342,6 +342,24 @@ TEST_CASE("mode B: errors name the parameter and its value") {
   step_out o;
   auto msg = [](const kvevict::status& s) { return std::string(s.message()); };
   CHECK(run_step(bp, 0.25, 8, c, o).ok());
+  // score_tokens reads host weights only: device tables are refused, not dereferenced
+  {
+    std::vector<float> w(static_cast<std::size_t>(kvevict::scorers::learned_mlp::block_floats(2, 3)), 0.5f);
+    kvevict::scorers::learned_mlp::params sp;
+    sp.weights = w.data();
+    sp.num_layers = 1;
+    sp.kv_heads = 1;
+    sp.head_dim = 2;
+    sp.hidden = 3;
+    const float kv[2] = {1.0f, 2.0f};
+    float u = 0.0f;
+    CHECK(kvevict::lkv::score_tokens(sp, 0, 0, kv, kv, 1, 2, &u).ok());
+    CHECK(u != 0.0f);
+    sp.on_device = true;
+    const kvevict::status s = kvevict::lkv::score_tokens(sp, 0, 0, kv, kv, 1, 2, &u);
+    CHECK(s.code() == kvevict::errc::invalid_argument);
+    CHECK(msg(s).find("on_device = true") != std::string::npos);
+  }
   // t smaller than a head's length
   {
     const kvevict::status s = run_step(bp, 0.25, 7, c, o);

@@ -55,12 +55,4 @@ template cpu_result cpu_run<kvevict::lkv::budgets_attention, kvevict::half_t>(co
                                                                              const kvevict::lkv::budgets_attention::params&,
                                                                              kvevict::budget_request);
 
-std::vector<double> lkv_full_defaults_cpu() {
-  const auto p = kvevict::lkv::full::defaults();
-  return {static_cast<double>(p.selector.num_sink), static_cast<double>(p.selector.num_recent),
-          static_cast<double>(p.selector.recent_share), p.check_finite ? 1.0 : 0.0, static_cast<double>(static_cast<int>(p.gqa)),
-          static_cast<double>(p.scorer.layer), static_cast<double>(p.budgeter.min_budget), static_cast<double>(p.budgeter.temperature),
-          static_cast<double>(sizeof(kvevict::lkv::full::params))};
-}
-
 }  // namespace kvevict_test

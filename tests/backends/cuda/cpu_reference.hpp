@@ -25,15 +25,8 @@ cpu_result cpu_run(const kvevict::layer_inputs<T>& in, const typename P::params&
 using maxpool_policy = kvevict::eviction_policy<kvevict::scorers::attention_weight, kvevict::temporal::mean, kvevict::spatial::max_pool>;
 
 /// LKV compositions (kvevict::lkv::full, uniform_budgets, budgets_restkv, budgets_attention)
-/// are defined token for token by kvevict/backends/cpu/learned.hpp (seen by
-/// cpu_reference.cpp) and kvevict/backends/cuda/learned.cuh (seen by test_cuda.cu); they are
-/// the same types. cpu_run is instantiated for lkv::full with every storage type and for the
-/// other three with one type each (uniform_budgets: bf16, budgets_restkv: float,
-/// budgets_attention: half). The test TU declares them by including learned.cuh.
-
-/// Default parameters of the CPU header's lkv::full, as a few plain values (to detect a drift
-/// between the two definitions): {num_sink, num_recent, check_finite, gqa, temporal/spatial
-/// sizes...}.
-std::vector<double> lkv_full_defaults_cpu();
+/// are defined once in kvevict/presets.hpp; cpu_run is instantiated for lkv::full with every
+/// storage type and for the other three with one type each (uniform_budgets: bf16,
+/// budgets_restkv: float, budgets_attention: half).
 
 }  // namespace kvevict_test

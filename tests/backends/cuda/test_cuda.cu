@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "backends/cuda/cpu_reference.hpp"
+#include "backends/cuda/model_reference.hpp"
 #include "kvevict/backends/cuda/learned.cuh"
 #include "kvevict/cuda.cuh"
 
@@ -1076,14 +1077,64 @@ TEST_CASE("host: LKV device-check messages") {
         std::string::npos);
 }
 
-TEST_CASE("host: the CUDA header's lkv::full is the CPU header's") {
-  const auto p = kv::lkv::full::defaults();
-  const std::vector<double> here = {static_cast<double>(p.selector.num_sink), static_cast<double>(p.selector.num_recent),
-                                    static_cast<double>(p.selector.recent_share), p.check_finite ? 1.0 : 0.0,
-                                    static_cast<double>(static_cast<int>(p.gqa)), static_cast<double>(p.scorer.layer),
-                                    static_cast<double>(p.budgeter.min_budget), static_cast<double>(p.budgeter.temperature),
-                                    static_cast<double>(sizeof(kv::lkv::full::params))};
-  CHECK(here == kvevict_test::lkv_full_defaults_cpu());
+TEST_CASE("cuda vs cpu: the engine's eviction path on real stories260K layers") {
+#if defined(KVEVICT_TEST_HAVE_MODEL)
+  // K, V, the last 32 queries and the W_O factors of every layer after the example engine
+  // prefilled a Sherlock excerpt (what eviction_session hands the evictor), evicted by the
+  // presets on both backends at keep 10/20/50%, and by full LKV with the trained artifact.
+  const int prompt = (g_small || g_tiny) ? 129 : 448;
+  std::vector<kvevict_test::model_layer> layers;
+  std::string why;
+  if (!kvevict_test::capture_model_layers(prompt, 32, 20000, &layers, &why)) {
+    REQUIRE_MESSAGE(why.rfind("error:", 0) != 0, why);
+    MESSAGE("skipping: ", why);
+    return;
+  }
+  kv::io::lkv_artifact art;
+  const kv::status rd = kv::io::read_lkv_artifact(KVEVICT_TEST_LKV_ARTIFACT, &art);
+  REQUIRE_MESSAGE(rd.ok(), rd.message());
+  kv::cuda::lkv_device_tables tables;
+  const kv::status up = tables.upload(art);
+  REQUIRE_MESSAGE(up.ok(), up.message());
+  compare_stats cs;
+  for (const auto& ml : layers) {
+    host_case<float> c;
+    c.B = 1;
+    c.Hkv = ml.kv_heads;
+    c.G = ml.q_heads / ml.kv_heads;
+    c.S = ml.length;
+    c.W = ml.window;
+    c.d = ml.head_dim;
+    c.layout = kv::kv_layout::hnd;
+    c.k = ml.k;
+    c.v = ml.v;
+    c.q = ml.q;
+    c.wo = ml.wo;
+    c.lens = {ml.length};
+    c.pos = ml.pos;
+    c.seed = static_cast<unsigned>(ml.layer);
+    c.layer_idx = ml.layer;
+    c.num_layers = ml.num_layers;
+    for (double R : {0.1, 0.2, 0.5}) {
+      const auto frac = kv::budget_request::fraction(R);
+      compare<kv::presets::restkv>("stories260K restkv", c, kv::presets::restkv::defaults(), frac, cs);
+      compare<kv::presets::snapkv>("stories260K snapkv", c, kv::presets::snapkv::defaults(), frac, cs);
+      compare<kv::presets::adakv>("stories260K adakv", c, kv::presets::adakv::defaults(), frac, cs);
+      compare<kv::presets::pyramidkv>("stories260K pyramidkv", c, kv::presets::pyramidkv::defaults(), frac, cs);
+      compare<kv::presets::tova>("stories260K tova", c, kv::presets::tova::defaults(), frac, cs);
+      compare<kv::presets::key_norm>("stories260K key_norm", c, kv::presets::key_norm::defaults(), frac, cs);
+      if (R < 0.5) compare_lkv<kv::lkv::full>("stories260K lkv full", c, art, tables, frac, cs, [](auto&) {});
+    }
+  }
+  MESSAGE("stories260K engine path: rows ", cs.rows, ", compared exactly ", cs.rows_exact, ", near-ties skipped ",
+          cs.rows_near_tie, ", scores outside tolerance ", cs.score_bad, " of ", cs.scores_compared, ", kept ", cs.kept, " of ",
+          cs.total);
+  CHECK(cs.rows_exact > cs.rows / 2);
+  CHECK(cs.kept < cs.total);
+  CHECK(cs.score_bad <= cs.scores_compared / 1000 + 5);
+#else
+  MESSAGE("skipping: built without the example engine (KVEVICT_BUILD_EXAMPLES=OFF)");
+#endif
 }
 
 TEST_CASE("cuda vs cpu: every stage over the seq/head_dim/GQA/layout/dtype grid") {

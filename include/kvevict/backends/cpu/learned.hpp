@@ -33,33 +33,6 @@
 namespace kvevict {
 namespace lkv {
 
-/// Full LKV: learned budgets + learned scorer, no forced sinks or window (num_recent = 0).
-struct full : eviction_policy<scorers::learned_mlp, temporal::last, spatial::none, budgeters::headwise_learned> {
-  static params defaults() {
-    params p;
-    p.selector.num_recent = 0;
-    p.check_finite = true;
-    return p;
-  }
-};
-
-/// Uniform budgets + learned scorer (ablation of LKV-H), no window.
-struct uniform_budgets : eviction_policy<scorers::learned_mlp, temporal::last, spatial::none, budgeters::uniform> {
-  static params defaults() {
-    params p;
-    p.selector.num_recent = 0;
-    return p;
-  }
-};
-
-/// Learned budgets + the ReST-KV scorer and smoothers (published ReST-KV settings; the window
-/// stays protected as in ReST-KV: each head first gets its window, the rest is water-filled).
-struct budgets_restkv
-    : eviction_policy<scorers::output_reconstruction, temporal::ema, spatial::adaptive_window, budgeters::headwise_learned> {};
-
-/// Learned budgets + SnapKV's attention-weight scores (sum over the window, avg-pool 5, window kept).
-struct budgets_attention : eviction_policy<scorers::attention_weight, temporal::sum, spatial::avg_pool, budgeters::headwise_learned> {};
-
 /// Parameters of `full` pointing into the artifact (which must outlive them).
 inline full::params full_params(const io::lkv_artifact& a) {
   full::params p = full::defaults();
@@ -90,6 +63,10 @@ inline budgets_attention::params budgets_attention_params(const io::lkv_artifact
 inline status score_tokens(const scorers::learned_mlp::params& p, int layer, std::int64_t kv_head, const float* keys,
                            const float* values, std::int64_t length, std::int64_t row_stride, float* out) {
   KVEVICT_TRY(scorers::learned_mlp::check(p));
+  if (p.on_device)
+    return status::error(errc::invalid_argument,
+                         "scorer.on_device = true: the weights are device memory; lkv::score_tokens needs host tables "
+                         "(io::scorer_params)");
   if (layer < 0 || layer >= p.num_layers)
     return status::error(errc::invalid_argument, "layer = %d outside [0, %d)", layer, p.num_layers);
   if (kv_head < 0 || kv_head >= p.kv_heads)

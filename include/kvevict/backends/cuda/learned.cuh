@@ -17,9 +17,9 @@
 //    with detail::lkv_ratios, so budgets are bit-identical to the CPU backend's. Scratch comes
 //    from the workspace.
 //
-// The compositions below are token-for-token the ones of kvevict/backends/cpu/learned.hpp (the
-// same types, so one program may use both backends in different translation units); do not
-// include both headers in one translation unit.
+// The compositions (lkv::full, uniform_budgets, budgets_restkv, budgets_attention) are defined
+// once, backend-neutral, in kvevict/presets.hpp; this header adds their parameters from device
+// tables (the CPU header adds them from a host artifact).
 #pragma once
 
 #include <cstdint>
@@ -30,36 +30,6 @@
 #include "kvevict/policies/learned.hpp"
 
 namespace kvevict {
-namespace lkv {
-
-/// Full LKV: learned budgets + learned scorer, no forced sinks or window (num_recent = 0).
-struct full : eviction_policy<scorers::learned_mlp, temporal::last, spatial::none, budgeters::headwise_learned> {
-  static params defaults() {
-    params p;
-    p.selector.num_recent = 0;
-    p.check_finite = true;
-    return p;
-  }
-};
-
-/// Uniform budgets + learned scorer (ablation of LKV-H), no window.
-struct uniform_budgets : eviction_policy<scorers::learned_mlp, temporal::last, spatial::none, budgeters::uniform> {
-  static params defaults() {
-    params p;
-    p.selector.num_recent = 0;
-    return p;
-  }
-};
-
-/// Learned budgets + the ReST-KV scorer and smoothers (published ReST-KV settings; the window
-/// stays protected as in ReST-KV: each head first gets its window, the rest is water-filled).
-struct budgets_restkv
-    : eviction_policy<scorers::output_reconstruction, temporal::ema, spatial::adaptive_window, budgeters::headwise_learned> {};
-
-/// Learned budgets + SnapKV's attention-weight scores (sum over the window, avg-pool 5, window kept).
-struct budgets_attention : eviction_policy<scorers::attention_weight, temporal::sum, spatial::avg_pool, budgeters::headwise_learned> {};
-
-}  // namespace lkv
 
 namespace cuda {
 
