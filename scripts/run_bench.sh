@@ -240,13 +240,21 @@ if len(ref_rows) >= 2:
     rpt = [ref_rows[L][2]["extra_bytes"] / L for L in Ls]
     kf = [x / nt / 4 for x in kpt]  # fp32 words per token per thread
     rf = [x / nt / 4 for x in rpt]
-    ok = max(kf) < 8 * 128 and min(rf) > 4096 * 0.9 and max(kpt) / min(kpt) < 1.5
+    # Marginal cost per added token between the smallest and the largest L (a fixed scratch,
+    # e.g. one 256-token projection tile, is not "growth with seq_len").
+    L0, L1 = Ls[0], Ls[-1]
+    km = (ref_rows[L1][1]["extra_bytes"] - ref_rows[L0][1]["extra_bytes"]) / (L1 - L0) / nt / 4
+    rm = (ref_rows[L1][2]["extra_bytes"] - ref_rows[L0][2]["extra_bytes"]) / (L1 - L0) / nt / 4
+    ok = km < 8 * 128 and rm > 4096 * 0.9
     lines.append("- Extra memory grows with seq_len, not seq_len x hidden: " + verdict(ok) + ". Bytes per token at L = "
                  + ", ".join(str(L) for L in Ls) + ": kvevict " + ", ".join(f"{x:,.0f}" for x in kpt)
                  + "; straightforward " + ", ".join(f"{x:,.0f}" for x in rpt) + f". Per token and thread that is "
-                 f"{min(kf):,.0f}-{max(kf):,.0f} floats for kvevict (a few d = 128: K, V and V R^T staging + score rows) "
+                 f"{min(kf):,.0f}-{max(kf):,.0f} floats for kvevict (K and V staging, 3 x 32 attention rows, score rows; V R^T "
+                 f"only for one 256-token tile) "
                  f"vs {min(rf):,.0f}-{max(rf):,.0f} floats for the straightforward scorer (C = 4096: the L x C "
-                 f"projection), constant in L for both; the PyTorch reference would hold 32 heads' projections at once "
+                 f"projection); per ADDED token (L = {L0:,} -> {L1:,}) {km:,.0f} vs {rm:,.0f} floats per thread, so "
+                 f"kvevict's memory grows with seq_len x a few head_dim, the straightforward one with seq_len x hidden "
+                 f"(criterion: < 8 x 128 vs > 0.9 x 4096); the PyTorch reference would hold 32 heads' projections at once "
                  f"(32 x 4096 floats = 512 KiB per token).")
 r32 = [(k, dt, v) for (k, dt, L), v in ratios.items() if L == 32768 and k == "preset_restkv"]
 if r32:

@@ -30,16 +30,21 @@ struct scorer_stage {
   std::vector<float> rows;
   std::vector<double> drift;
 
-  scorer_stage(const kvevict::layer_inputs<T>& in, std::int64_t drift_k) : drift_topk(drift_k) {
+  /// `p`: the parameters run() will get (they decide the scratch, e.g. ReST-KV's "before" mode
+  /// holds every token's value projections, "after" mode one tile).
+  scorer_stage(const kvevict::layer_inputs<T>& in, std::int64_t drift_k, const typename Policy::params& p = Policy::defaults())
+      : drift_topk(drift_k) {
     nt = kvevict::cpu::detail::max_threads(be);
     const std::int64_t G = in.group_size();
+    const bool full_y = kvevict::cpu::detail::needs_full_projection<Scorer>(p.scorer);
     kvevict::detail::workspace_carver counter;
     kvevict::cpu::detail::head_scratch tmp;
-    for (int t = 0; t < nt; ++t) tmp.carve(counter, in.capacity(), in.window(), in.head_dim(), G);
+    for (int t = 0; t < nt; ++t) tmp.carve(counter, in.capacity(), in.window(), in.head_dim(), G, full_y);
     ws = aligned_buffer(counter.bytes());
     kvevict::detail::workspace_carver c(ws.data);
     scratch.resize(static_cast<std::size_t>(nt));
-    for (int t = 0; t < nt; ++t) scratch[static_cast<std::size_t>(t)].carve(c, in.capacity(), in.window(), in.head_dim(), G);
+    for (int t = 0; t < nt; ++t)
+      scratch[static_cast<std::size_t>(t)].carve(c, in.capacity(), in.window(), in.head_dim(), G, full_y);
     rows.assign(static_cast<std::size_t>(in.batch() * in.q_heads() * in.capacity()), 0.0f);
     drift.assign(static_cast<std::size_t>(in.batch() * in.q_heads()), 0.0);
   }

@@ -455,11 +455,7 @@ class evictor<Policy, cpu::backend> {
       // The per-head scratch (O(S d G) floats) only for the threads the scoring loop can use:
       // it runs over B * kv_heads tasks, so at most that many threads exist there.
       const std::int64_t nt_heads = std::min<std::int64_t>(nt, std::max<std::int64_t>(B * in.kv_heads(), 1));
-      // Value projections of every token are held only by the reconstruction scorer's "before"
-      // mode; "after" mode works in token tiles, other scorers don't use them.
-      bool full_y = false;
-      if constexpr (std::is_same<Scorer, scorers::output_reconstruction>::value)
-        full_y = p_.scorer.aggregation == scorers::output_reconstruction::mode::before;
+      const bool full_y = cpu::detail::needs_full_projection<Scorer>(p_.scorer);
       for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve(c, S, in.window(), in.head_dim(), Gq, full_y);
       if constexpr (has_secondary) {
         buf.scores2 = c.template carve<float>(static_cast<std::size_t>(rows * S));

@@ -61,6 +61,17 @@ inline double sq_dist_fp64(const float* a, const float* b, std::int64_t d) {
   return s;
 }
 
+/// Whether Scorer's per-thread scratch must hold the value projections of every token
+/// (head_scratch::carve full_y): only the reconstruction scorer's "before" mode does; its "after"
+/// mode works in tiles of lor_token_tile tokens and the other scorers do not use them.
+template <class Scorer>
+bool needs_full_projection(const typename Scorer::params& p) {
+  if constexpr (std::is_same<Scorer, scorers::output_reconstruction>::value)
+    return p.aggregation == scorers::output_reconstruction::mode::before;
+  (void)p;
+  return false;
+}
+
 /// Per-thread scratch for scoring one KV head with up to `cap` tokens, window `w`, dim `d`.
 struct head_scratch {
   float* kbuf = nullptr;   // cap x d
