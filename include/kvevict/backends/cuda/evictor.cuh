@@ -54,7 +54,14 @@ class evictor<Policy, cuda::backend> {
   static constexpr bool layer_budgeter = cuda::detail::is_layer_budgeter<Budgeter>::value;
   static constexpr bool needs_drift = Spatial::needs_attention_drift;
 
-  static_assert(is_lor || is_key_norm || is_attention || is_learned || std::is_same<Scorer, scorers::none>::value,
+  static_assert(!std::is_same<Scorer, scorers::attention_value_norm>::value,
+                "kvevict: CriticalKV (scorers::attention_value_norm + selectors::two_stage, presets::criticalkv / "
+                "critical_adakv) runs on the CPU backend only; the CUDA backend has no implementation of it");
+  static_assert(std::is_same<typename Policy::selector, selectors::topk>::value,
+                "kvevict: the CUDA backend implements selectors::topk only (sinks + recent window protected, top-k "
+                "of the rest)");
+  static_assert(is_lor || is_key_norm || is_attention || is_learned || std::is_same<Scorer, scorers::none>::value ||
+                    std::is_same<Scorer, scorers::attention_value_norm>::value,
                 "kvevict: this Scorer has no CUDA implementation (the CUDA backend serves the built-in scorers)");
   static_assert(std::is_same<Spatial, spatial::none>::value || std::is_same<Spatial, spatial::avg_pool>::value ||
                     std::is_same<Spatial, spatial::max_pool>::value || std::is_same<Spatial, spatial::adaptive_window>::value,
