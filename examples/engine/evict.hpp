@@ -170,7 +170,8 @@ inline result apply_selection(kv_cache& cache, int layer, const std::int32_t* in
 /// Inputs built: keys/values = HND views over the whole capacity, lengths = per-head lengths
 /// (kvevict::per_head_lengths), positions = kvevict::make_positions_view, queries = the last `window`
 /// queries of s.queries (window < 0: all held, as H2O wants; 0: none), wo_factor = s.wo's view when
-/// non-null, layer_idx / num_layers from the model.
+/// non-null, wo = the model's W_O of the layer for scorers that read it (CriticalKV), layer_idx /
+/// num_layers from the model.
 /// Errors (cache unchanged): null state fields, gqa_reduction::per_query_head (cannot compact a KV cache
 /// in place), and every kvevict error (message kept, e.g. a budget below the protected window).
 template <class Policy>
@@ -191,6 +192,11 @@ result evict_layer(const layer_state& s, const typename Policy::params& p, int w
     in.positions = kvevict::make_positions_view(c.positions(l), 1, H, c.capacity());
     if (s.queries && window != 0) in.queries = s.queries->view(l, window);
     if (s.wo && !s.wo->empty()) in.wo_factor = s.wo->view(l);
+    if constexpr (kvevict::detail::scorer_needs_wo_matrix<typename Policy::scorer>::value) {
+        // CriticalKV's ||v W_O^h||_1 needs the output projection itself: (dim, n_heads * head_dim), [out][in].
+        const matrix& wo = s.m->wo(l);
+        in.wo = kvevict::strided_view<const float, 2>{wo.data(), {wo.rows(), wo.cols()}, {wo.cols(), 1}};
+    }
     in.layer_idx = l;
     in.num_layers = cfg.n_layers;
 
