@@ -170,6 +170,8 @@ inline status validate_layer_inputs(const layer_inputs<T>& in, const typename Po
                            "layer_inputs::wo to W_O as (hidden, q_heads * head_dim), [out][in])",
                            Scorer::name);
     KVEVICT_TRY(check_view_strides(in.wo, "wo"));
+    if (in.wo.extent[0] > 0x7fffffff)  // the scorer's workspace holds 64 x hidden floats per thread
+      return status::error(errc::invalid_argument, "wo.extent[0] = %lld (hidden) exceeds int32", static_cast<long long>(in.wo.extent[0]));
     if (in.wo.extent[0] < 1 || in.wo.extent[1] != in.q_heads() * in.head_dim())
       return status::error(errc::shape_mismatch, "wo shape (%lld, %lld) != (hidden >= 1, q_heads * head_dim = %lld)",
                            static_cast<long long>(in.wo.extent[0]), static_cast<long long>(in.wo.extent[1]),
