@@ -466,6 +466,51 @@ std::vector<std::int32_t> naive_drops(const float* u, std::int64_t len, std::int
 
 }  // namespace
 
+TEST_CASE("attack LKV mode B: t so large that N * t overflows is a named error, not wrapped budgets") {
+  lkv_model m(2, 2, 11);
+  const std::int64_t N = m.n();
+  std::vector<std::int64_t> b(static_cast<std::size_t>(N), -1);
+  const std::int64_t big = std::numeric_limits<std::int64_t>::max();
+  // largest t accepted: N * t <= 2^53 (budget totals exact in fp64)
+  const std::int64_t tmax = (std::int64_t{1} << 53) / N;
+  for (std::int64_t t : {tmax + 1, std::int64_t{1} << 61, (std::int64_t{1} << 62) + 5, big}) {
+    CAPTURE(t);
+    for (const auto req : {kv::budget_request::fraction(1.0), kv::budget_request::fraction(0.25), kv::budget_request::tokens(5)}) {
+      CAPTURE(req.keep_fraction);
+      KVEVICT_CHECK_ERR(kv::lkv::decode_budgets(m.bp, req, t, b.data()), kv::errc::invalid_argument, "t = " + std::to_string(t));
+    }
+    // decode_step on an almost empty cache at that t fails the same way
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(N), 1), ip(static_cast<std::size_t>(N + 1)), idx(8), scr(8);
+    std::vector<float> u(static_cast<std::size_t>(N), 0.5f);
+    kv::lkv::decode_cache_view cv{u.data(), 1, lens.data()};
+    kv::lkv::decode_step_buffers o;
+    o.budgets = b.data();
+    o.drop_indptr = ip.data();
+    o.drop_indices = idx.data();
+    o.drop_capacity = 8;
+    o.scratch = scr.data();
+    o.scratch_size = 8;
+    KVEVICT_CHECK_ERR(kv::lkv::decode_step(m.bp, kv::budget_request::fraction(0.5), t, cv, o), kv::errc::invalid_argument,
+                      "t = " + std::to_string(t));
+  }
+  // at the limit the budgets are exact: sum = floor(R * N * t), each <= t
+  for (const double R : {1.0, 0.25, 0.5}) {
+    CAPTURE(R);
+    REQUIRE(kv::lkv::decode_budgets(m.bp, kv::budget_request::fraction(R), tmax, b.data()).ok());
+    std::int64_t sum = 0;
+    for (std::int64_t x : b) {
+      CHECK(x >= 0);
+      CHECK(x <= tmax);
+      sum += x;
+    }
+    CHECK(sum == static_cast<std::int64_t>(R * 4.0) * (N * tmax) / 4);
+  }
+  REQUIRE(kv::lkv::decode_budgets(m.bp, kv::budget_request::tokens(7), tmax, b.data()).ok());
+  std::int64_t sum7 = 0;
+  for (std::int64_t x : b) sum7 += x;
+  CHECK(sum7 == N * 7);
+}
+
 TEST_CASE("attack LKV mode B: requests, t and lengths at and beyond their ranges") {
   lkv_model m(2, 2, 13);
   const std::int64_t N = m.n();

@@ -147,7 +147,8 @@ inline status prepare_decode_scratch(const budgeters::headwise_learned::params& 
 /// bp.min_budget when set). req: exactly one of keep_fraction in (0, 1] or keep_tokens >= 1.
 /// bp.num_tokens is ignored (t is explicit). scratch (optional, see decode_budget_scratch):
 /// no allocation; the budgets are the same either way. Errors: bp invalid
-/// (headwise_learned::check_host), bad req, t < 0, null budgets, a scratch with a null pointer.
+/// (headwise_learned::check_host), bad req, t < 0 or N * t > 2^53, null budgets, a scratch with a
+/// null pointer.
 inline status decode_budgets(const budgeters::headwise_learned::params& bp, const budget_request& req, std::int64_t t,
                              std::int64_t* budgets, const decode_budget_scratch* scratch = nullptr) {
   KVEVICT_TRY(budgeters::headwise_learned::check_host(bp));
@@ -159,6 +160,10 @@ inline status decode_budgets(const budgeters::headwise_learned::params& bp, cons
   if (frac && !(req.keep_fraction > 0.0 && req.keep_fraction <= 1.0))
     return status::error(errc::invalid_argument, "budget.keep_fraction = %g must be in (0, 1]", req.keep_fraction);
   if (t < 0) return status::error(errc::invalid_argument, "t = %lld (tokens seen) must be >= 0", static_cast<long long>(t));
+  const std::int64_t n_heads = static_cast<std::int64_t>(bp.num_layers) * bp.kv_heads;
+  if (t > (std::int64_t{1} << 53) / n_heads)  // N * t (and R * N * t) must be exact in int64 and fp64
+    return status::error(errc::invalid_argument, "t = %lld (tokens seen) is too large: N * t = %lld * t must be <= 2^53",
+                         static_cast<long long>(t), static_cast<long long>(n_heads));
   if (!budgets) return status::error(errc::null_pointer, "budgets is null");
   budgeters::headwise_learned::params p = bp;
   p.num_tokens = 0;
