@@ -511,6 +511,40 @@ TEST_CASE("attack LKV mode B: t so large that N * t overflows is a named error, 
   CHECK(sum7 == N * 7);
 }
 
+TEST_CASE("attack LKV mode B: a budget scratch whose ratios were never prepared is refused") {
+  lkv_model m(2, 3, 12);
+  const std::int64_t N = m.n();
+  std::vector<double> r(static_cast<std::size_t>(N)), sh(static_cast<std::size_t>(N));
+  std::vector<std::int64_t> capv(static_cast<std::size_t>(N)), b(static_cast<std::size_t>(N)), b_ref(static_cast<std::size_t>(N));
+  std::vector<unsigned char> cl(static_cast<std::size_t>(N));
+  kv::lkv::decode_budget_scratch sc{r.data(), sh.data(), capv.data(), cl.data()};
+  const auto req = kv::budget_request::fraction(0.3);
+  REQUIRE(kv::lkv::decode_budgets(m.bp, req, 100, b_ref.data()).ok());
+  // zeros (calloc'd, never prepared), NaN, a negative entry, a vector that does not sum to 1
+  struct bad_case {
+    const char* name;
+    double fill, at2;
+    const char* text;
+  };
+  for (const bad_case bc : {bad_case{"zeros", 0.0, 0.0, "sum to"}, bad_case{"nan", 1.0 / 6.0, std::nan(""), "ratios[2] = nan"},
+                            bad_case{"negative", 1.0 / 6.0, -0.5, "ratios[2] = -0.5"},
+                            bad_case{"inf", 1.0 / 6.0, HUGE_VAL, "ratios[2] = inf"}, bad_case{"sum 2", 2.0 / 6.0, 2.0 / 6.0, "sum to"}}) {
+    INFO("case: ", std::string(bc.name));
+    std::fill(r.begin(), r.end(), bc.fill);
+    r[2] = bc.at2;
+    std::fill(b.begin(), b.end(), -1);
+    KVEVICT_CHECK_ERR(kv::lkv::decode_budgets(m.bp, req, 100, b.data(), &sc), kv::errc::invalid_argument, bc.text);
+    KVEVICT_CHECK_ERR(kv::lkv::decode_budgets(m.bp, req, 100, b.data(), &sc), kv::errc::invalid_argument, "prepare_decode_scratch");
+  }
+  // prepared: the same budgets as without scratch
+  REQUIRE(kv::lkv::prepare_decode_scratch(m.bp, sc).ok());
+  REQUIRE(kv::lkv::decode_budgets(m.bp, req, 100, b.data(), &sc).ok());
+  CHECK(b == b_ref);
+  std::int64_t sum = 0;
+  for (auto x : b) sum += x;
+  CHECK(sum == 180);  // floor(0.3 * 6 * 100)
+}
+
 TEST_CASE("attack LKV mode B: requests, t and lengths at and beyond their ranges") {
   lkv_model m(2, 2, 13);
   const std::int64_t N = m.n();

@@ -148,7 +148,8 @@ inline status prepare_decode_scratch(const budgeters::headwise_learned::params& 
 /// bp.num_tokens is ignored (t is explicit). scratch (optional, see decode_budget_scratch):
 /// no allocation; the budgets are the same either way. Errors: bp invalid
 /// (headwise_learned::check_host), bad req, t < 0 or N * t > 2^53, null budgets, a scratch with a
-/// null pointer.
+/// null pointer or ratios that are not a probability vector (outside [0, 1], or a sum off 1 by
+/// more than 1e-6: never prepared).
 inline status decode_budgets(const budgeters::headwise_learned::params& bp, const budget_request& req, std::int64_t t,
                              std::int64_t* budgets, const decode_budget_scratch* scratch = nullptr) {
   KVEVICT_TRY(budgeters::headwise_learned::check_host(bp));
@@ -170,6 +171,16 @@ inline status decode_budgets(const budgeters::headwise_learned::params& bp, cons
   if (!scratch) return budgeters::headwise_learned::global_budgets(p, req, t, 0, budgets);
   if (!scratch->ratios || !scratch->share || !scratch->capv || !scratch->clipped)
     return status::error(errc::null_pointer, "decode_budget_scratch: ratios, share, capv or clipped is null");
+  double rsum = 0.0;  // O(N): unprepared ratios (zeros, NaN) would give silently wrong budgets
+  for (std::int64_t i = 0; i < n_heads; ++i) {
+    const double r = scratch->ratios[i];
+    if (!(r >= 0.0 && r <= 1.0))
+      return status::error(errc::invalid_argument, "decode_budget_scratch.ratios[%lld] = %g is not a softmax ratio (fill them with prepare_decode_scratch)",
+                           static_cast<long long>(i), r);
+    rsum += r;
+  }
+  if (!(std::fabs(rsum - 1.0) <= 1e-6))
+    return status::error(errc::invalid_argument, "decode_budget_scratch.ratios sum to %g, not 1 (fill them with prepare_decode_scratch)", rsum);
   detail::lkv_fill_scratch fs;
   fs.share = scratch->share;
   fs.capv = scratch->capv;
