@@ -495,3 +495,37 @@ TEST_CASE("randomised policies (max pool, AWS + AdaKV, LOR + pyramid, H2O, key n
   CHECK(fails == 0);
   CHECK(sets > 100);
 }
+
+// ---- "after" mode across token tiles ---------------------------------------------------------
+
+TEST_CASE("LOR after mode over several lor_token_tile tiles (ragged lengths, GQA, W_O, layouts) vs the fp64 reference") {
+  // The "after" scorer computes the value projections and distances per tile of
+  // cpu::detail::lor_token_tile (256) tokens; lengths 600 (two full tiles + a partial one), 257
+  // (one token past a tile), 300 and 5 (shorter than the window) cross every tile boundary case.
+  REQUIRE(kv::cpu::detail::lor_token_tile == 256);
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 3, s.cap = 600, s.d = 16, s.window = 12, s.hidden = 40;
+  for (int mode = 0; mode < 8; ++mode) {
+    const bool use_wo = mode % 2 == 1, incl = (mode / 2) % 2 == 1, hnd = mode >= 4;
+    CAPTURE(use_wo);
+    CAPTURE(incl);
+    CAPTURE(hnd);
+    kvtest::problem p = kvtest::make_problem(s, 2500 + static_cast<std::uint64_t>(mode), 1.0, 1.5, 1.0, {600, 257, 5, 300});
+    kvtest::quantize<float>(p);
+    kvtest::stored<float> st;
+    kvtest::store(p, hnd ? layout::hnd : layout::nhd, st);
+    auto prm = lor_params(false, use_wo, incl);
+    prm.gqa = kv::gqa_reduction::per_query_head;
+    kv::evictor<lor_plain, kv::cpu::backend> ev(prm);
+    auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(100));
+    REQUIRE_MESSAGE(lib.st.ok(), lib.st.message());
+    auto c = lor_cfg(false, use_wo, incl, kvref::lor_eval::exact);
+    c.gqa = kvref::gqa_kind::per_query_head;
+    c.keep_tokens = 100;
+    int sets = 0;
+    const std::string diff = kvtest::compare(lib, kvtest::reference_run(p, c), kvtest::score_rtol, kvtest::score_atol, &sets);
+    CHECK_MESSAGE(diff.empty(), diff);
+    CHECK(sets >= 6);
+    CHECK(lib.indptr.back() < s.group * (600 + 257 + 5 + 300));  // non-vacuous: tokens were evicted
+  }
+}
