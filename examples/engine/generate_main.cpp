@@ -34,7 +34,7 @@ int usage(const char* argv0, const std::string& why) {
                  "  --interval N     decode-time cap: evict every N generated tokens (needs a token count for --keep);\n"
                  "                   lkv mode b: recompute budgets and evict every N generated tokens (default 1)\n"
                  "  --lkv-mode M     lkv decoding: a = budgets fixed at prefill, generated tokens appended;\n"
-                 "                   b = budgets track the tokens seen, heads over budget drop (default b)\n"
+                 "                   b = budgets track the tokens seen, heads over budget drop (default a)\n"
                  "  --artifact FILE  lkv tables (default: $KVEVICT_LKV_ARTIFACT, else <repo>/artifacts/lkv/stories260K.lkv)\n",
                  argv0);
     return 2;
@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
             std::fprintf(stderr, "error: %s (artifact %s)\n", st.message(), art_path.c_str());
             return 1;
         }
-        if (lkv_mode.empty()) lkv_mode = "b";
+        if (lkv_mode.empty()) lkv_mode = "a";  // what training optimises; mode B s = 1 is far worse with this artifact (docs/lkv.md)
         lkv_decode_options o;
         o.mode = lkv_mode == "a" ? lkv_decode_mode::a : lkv_decode_mode::b;
         o.budget = keep >= 1 ? kvevict::budget_request::tokens(std::int32_t(keep)) : kvevict::budget_request::fraction(keep);
