@@ -121,6 +121,10 @@ void mutate_params(typename P::params& p, reader& r) {
     p.budgeter.exact_total = (r.u8() & 1) == 0;
   }
   if constexpr (std::is_same<Bu, kvevict::budgeters::adakv>::value) p.budgeter.alpha = param_float(r, p.budgeter.alpha);
+  if constexpr (std::is_same<typename P::selector, kvevict::selectors::two_stage>::value) {  // CriticalKV
+    p.selector.first_stage_ratio = param_float(r, p.selector.first_stage_ratio);
+    p.selector.eps = param_float(r, p.selector.eps);
+  }
 }
 
 /// Overwrite a fraction of the valid entries of a 4-D buffer with special values.
@@ -134,7 +138,7 @@ void inject(buffer4<T>& buf, reader& r, std::uint8_t rate, std::uint64_t seed) {
 }
 
 template <class T>
-bool any_nonfinite_valid(const problem<T>& pr, bool keys, bool values, bool queries, bool wo) {
+bool any_nonfinite_valid(const problem<T>& pr, bool keys, bool values, bool queries, bool wo, bool wo_matrix) {
   const auto& s = pr.sh;
   for (std::int64_t b = 0; b < s.B; ++b)
     for (std::int64_t h = 0; h < s.Hkv; ++h)
@@ -154,6 +158,10 @@ bool any_nonfinite_valid(const problem<T>& pr, bool keys, bool values, bool quer
   if (wo)
     for (float x : pr.wo)
       if (!std::isfinite(x)) return true;
+  if (wo_matrix)  // through the view: a broadcast W_O reads only part of wo_mat
+    for (std::int64_t c = 0; c < pr.in.wo.extent[0]; ++c)
+      for (std::int64_t i = 0; i < pr.in.wo.extent[1]; ++i)
+        if (!kvevict::is_finite_value(pr.in.wo(c, i))) return true;
   return false;
 }
 
@@ -234,6 +242,11 @@ void run_case(reader& r) {
   const float poison = special(r.u8());
   const std::uint8_t rate_k = r.u8() & 15, rate_v = r.u8() & 15, rate_q = r.u8() & 15;
   const unsigned char ws_fill = r.u8();
+  // CriticalKV's full W_O (layer_inputs::wo, (hidden, Hq * D)): bits 0-2 the view (0-3 row-major,
+  // 4 rows aliased by stride 0, 5 one scalar (strides 0, 0), 6 hidden 1, 7 transposed strides
+  // over the same memory), bit 3 a wrong column extent (an error), bit 4 a special value at one
+  // weight, bit 5 weights of magnitude ~1e38.
+  const std::uint8_t wo_mode = r.u8();
 
   problem<T> pr;
   pr.init(s, seed, scale, poison);
@@ -241,6 +254,11 @@ void run_case(reader& r) {
   if (s.with_values) inject(pr.v, r, rate_v, seed + 2);
   if (s.with_queries) inject(pr.q, r, rate_q, seed + 3);
   if (rate_q > 12) pr.wo[0] = special(static_cast<std::uint8_t>(seed));
+  if (traits<P>::needs_wo_matrix) {
+    if (wo_mode & 32)
+      for (std::size_t i = 0; i < pr.wo_mat.size(); i += 3) pr.wo_mat[i] = kvevict::from_float<T>(i % 2 ? -1.0e38f : 1.0e38f);
+    if (wo_mode & 16) pr.wo_mat[seed % pr.wo_mat.size()] = kvevict::from_float<T>(special(static_cast<std::uint8_t>(seed >> 8)));
+  }
   if (with_positions) {
     pr.pos.assign(static_cast<std::size_t>(s.B * s.Hkv * s.S), 0);
     kvtest::rng g(seed + 4);
@@ -253,6 +271,20 @@ void run_case(reader& r) {
   }
   pr.in.num_layers = num_layers;
   pr.in.layer_idx = layer_idx;
+  if (traits<P>::needs_wo_matrix) {
+    auto& w = pr.in.wo;
+    switch (wo_mode & 7) {
+      case 4: w.stride[0] = 0; break;
+      case 5: w.stride[0] = w.stride[1] = 0; break;
+      case 6: w.extent[0] = 1; break;
+      case 7:  // [in][out] strides over the same buffer: hidden * (Hq * D) elements either way
+        w.stride[0] = 1;
+        w.stride[1] = w.extent[0];
+        break;
+      default: break;
+    }
+    if (wo_mode & 8) w.extent[1] += (seed & 1) ? 1 : -1;
+  }
 
   const ev_t ev(params, kvevict::cpu::backend{threads});
   const kvevict::status st = ev.can_implement(pr.in, budget);
@@ -278,7 +310,8 @@ void run_case(reader& r) {
   const kvevict::status rs = ev.run(pr.in, budget, o.view(), o.ws.get(), o.ws_bytes, o.scores.get());
   using Sc = typename P::scorer;
   const bool expect_nonfinite =
-      check_finite && any_nonfinite_valid(pr, true, Sc::needs_values, Sc::needs_queries && s.with_queries, Sc::needs_wo_factor(params.scorer));
+      check_finite && any_nonfinite_valid(pr, true, Sc::needs_values, Sc::needs_queries && s.with_queries,
+                                          Sc::needs_wo_factor(params.scorer), traits<P>::needs_wo_matrix);
   if (!rs.ok()) {
     FUZZ_ASSERT(rs.code() == kvevict::errc::non_finite_input, rs.message());
     FUZZ_ASSERT(expect_nonfinite, rs.message());
@@ -350,7 +383,7 @@ void dispatch_type(reader& r) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   reader r{data, size};
   using namespace kvevict::presets;
-  switch (r.u8() % 8) {
+  switch (r.u8() % 10) {
     case 0: dispatch_type<restkv>(r); break;
     case 1: dispatch_type<snapkv>(r); break;
     case 2: dispatch_type<pyramidkv>(r); break;
@@ -358,7 +391,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     case 4: dispatch_type<h2o>(r); break;
     case 5: dispatch_type<tova>(r); break;
     case 6: dispatch_type<streaming_llm>(r); break;
-    default: dispatch_type<key_norm>(r); break;
+    case 7: dispatch_type<key_norm>(r); break;
+    case 8: dispatch_type<criticalkv>(r); break;
+    default: dispatch_type<critical_adakv>(r); break;
   }
   return 0;
 }

@@ -20,7 +20,7 @@ OUT = os.path.join(HERE, "corpus")
 
 def seed(preset, dtype, *, nhd=False, queries=False, len_mode=0, check_finite=True, positions=False, threads=1,
          B=2, Hkv=2, G=2, S=24, W=4, D=8, pad=1, lengths=None, budget=("tokens", 10), mutate=None,
-         layers=(4, 1), vseed=1234, exp2=0, poison=0, rates=(0, 0, 0), ws_fill=0xFF):
+         layers=(4, 1), vseed=1234, exp2=0, poison=0, rates=(0, 0, 0), ws_fill=0xFF, wo_mode=None):
     b = bytearray([preset, dtype])
     flags = (1 if nhd else 0) | (2 if queries else 0) | (len_mode << 2) | (0 if check_finite else 16) \
         | (32 if positions else 0) | (threads << 6)
@@ -48,6 +48,8 @@ def seed(preset, dtype, *, nhd=False, queries=False, len_mode=0, check_finite=Tr
     b += struct.pack("<I", vseed)
     b += struct.pack("<b", exp2)
     b += bytes([poison, rates[0], rates[1], rates[2], ws_fill])
+    if wo_mode is not None:  # CriticalKV's W_O view and values (fuzz_evictor.cpp, wo_mode)
+        b.append(wo_mode)
     return bytes(b)
 
 
@@ -56,7 +58,7 @@ def main():
         shutil.rmtree(OUT)
     os.makedirs(OUT)
     seeds = {}
-    for p in range(8):
+    for p in range(10):
         for t in range(3):
             name = f"p{p}_t{t}"
             seeds[name + "_plain"] = seed(p, t, vseed=100 + 3 * p + t)
@@ -77,6 +79,26 @@ def main():
         seeds[f"p{p}_empty"] = seed(p, 0, S=0, W=1, vseed=1200 + p)
         seeds[f"p{p}_short_heads"] = seed(p, 0, len_mode=2, S=12, W=8, lengths=[0, 1, 7, 12], vseed=1300 + p)
         seeds[f"p{p}_many_layers"] = seed(p, 2, layers=(40, 39), S=40, W=4, budget=("tokens", 8), vseed=1400 + p)
+    # CriticalKV presets (8 criticalkv, 9 critical_adakv): W_O views, special weights, stage params
+    for p in (8, 9):
+        for t in range(3):
+            seeds[f"p{p}_t{t}_wo_aliased_rows"] = seed(p, t, S=26, W=4, vseed=1500 + 3 * p + t, wo_mode=4)
+            seeds[f"p{p}_t{t}_wo_scalar"] = seed(p, t, S=26, W=4, vseed=1510 + 3 * p + t, wo_mode=5)
+            seeds[f"p{p}_t{t}_wo_hidden1"] = seed(p, t, S=26, W=4, vseed=1520 + 3 * p + t, wo_mode=6)
+            seeds[f"p{p}_t{t}_wo_transposed"] = seed(p, t, S=26, W=4, vseed=1530 + 3 * p + t, wo_mode=7)
+        seeds[f"p{p}_wo_bad_extent"] = seed(p, 0, vseed=1540 + p, wo_mode=8)
+        # wo_mode bit 4 writes special((vseed >> 8) % 16): 0x1000 -> NaN, 0x1100 -> inf
+        seeds[f"p{p}_wo_special_checked"] = seed(p, 0, vseed=0x1000 + p, wo_mode=16)
+        seeds[f"p{p}_wo_special_unchecked"] = seed(p, 0, vseed=0x1100 + p, wo_mode=16, check_finite=False)
+        seeds[f"p{p}_wo_huge"] = seed(p, 0, S=30, W=4, exp2=100, vseed=1570 + p, wo_mode=32)
+        # mutate_params bytes: selector flags, pooling kernel, (AdaKV alpha), first_stage_ratio, eps;
+        # param_float: 0x80 + index = special value (NaN, inf, ...), 0xC0 + b = b / 64
+        ada = [0x00] if p == 9 else []
+        seeds[f"p{p}_stage_params"] = seed(p, 0, S=28, W=4, mutate=[0x00, 0x00] + ada + [0x80, 0, 0x80, 2], vseed=1580 + p)
+        seeds[f"p{p}_stage_ratio_edges"] = seed(p, 0, S=28, W=4, mutate=[0x00, 0x00] + ada + [0xC0, 64, 0xC0, 0],
+                                                vseed=1590 + p)
+        seeds[f"p{p}_stage_ratio_zero"] = seed(p, 1, S=28, W=4, mutate=[0x00, 0x00] + ada + [0xC0, 0, 0x7F],
+                                               vseed=1600 + p)
     for name, data in sorted(seeds.items()):
         with open(os.path.join(OUT, name), "wb") as f:
             f.write(data)
