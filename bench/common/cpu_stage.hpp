@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "common/bench_data.hpp"
@@ -29,6 +30,7 @@ struct scorer_stage {
   std::vector<kvevict::cpu::detail::head_scratch> scratch;
   std::vector<float> rows;
   std::vector<double> drift;
+  bool full_y_ = false;
 
   /// `p`: the parameters run() will get (they decide the scratch, e.g. ReST-KV's "before" mode
   /// holds every token's value projections, "after" mode one tile).
@@ -37,6 +39,7 @@ struct scorer_stage {
     nt = kvevict::cpu::detail::max_threads(be);
     const std::int64_t G = in.group_size();
     const bool full_y = kvevict::cpu::detail::needs_full_projection<Scorer>(p.scorer);
+    full_y_ = full_y;
     kvevict::detail::workspace_carver counter;
     kvevict::cpu::detail::head_scratch tmp;
     for (int t = 0; t < nt; ++t) tmp.carve(counter, in.capacity(), in.window(), in.head_dim(), G, full_y);
@@ -53,6 +56,8 @@ struct scorer_stage {
   std::size_t held_bytes() const { return ws.bytes + rows.size() * sizeof(float) + drift.size() * sizeof(double); }
 
   void run(const kvevict::layer_inputs<T>& in, const typename Policy::params& p) {
+    if (kvevict::cpu::detail::needs_full_projection<Scorer>(p.scorer) && !full_y_)
+      throw std::invalid_argument("scorer_stage: run() params need the full value projections; construct the stage with them");
     const std::int64_t Hkv = in.kv_heads(), G = in.group_size(), S = in.capacity();
     kvevict::cpu::detail::parallel_for(be, in.batch() * Hkv, [&](std::int64_t task, int tid) {
       const std::int64_t b = task / Hkv, h = task % Hkv;

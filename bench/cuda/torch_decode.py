@@ -68,8 +68,9 @@ def main() -> int:
     for B in budgets:
         idx = torch.sort(torch.randperm(S, device=dev, generator=g)[:B]).values  # a compacted cache
         rows.append((B, time_ms(k_full[:, :, idx].contiguous(), v_full[:, :, idx].contiguous())))
+    heads_read = Hkv if gqa else Hq  # without enable_gqa the expanded K/V are read
     for T, ms in rows:
-        gbps = 2 * Hkv * T * D * 2 / (ms / 1e3) / 1e9
+        gbps = 2 * heads_read * T * D * 2 / (ms / 1e3) / 1e9
         print(json.dumps({"seq": S, "tokens": T, "ms": ms, "GBps": gbps, "speedup": full / ms, "gqa_native": gqa}), flush=True)
     return 0
 

@@ -349,6 +349,18 @@ TEST_CASE("learned policies: parameter and shape errors name the parameter") {
   p.budgeter = t.budgeter();
   auto in = t.inputs(0);
   const auto b = kvevict::budget_request::fraction(0.5);
+  {  // device tables: the ratios were computed for one temperature; a changed one is refused
+    auto bp = p.budgeter;
+    const double fake_ratios[1] = {1.0};
+    bp.on_device = true;
+    bp.ratios = fake_ratios;
+    bp.ratios_temperature = bp.temperature;
+    CHECK(kvevict::budgeters::headwise_learned::check(bp).ok());
+    bp.temperature = 2.0f * bp.ratios_temperature;
+    const auto s = kvevict::budgeters::headwise_learned::check(bp);
+    CHECK(s.code() == kvevict::errc::invalid_argument);
+    CHECK(std::string(s.message()).find("ratios_temperature") != std::string::npos);
+  }
   {
     auto q = p;
     q.budgeter.logits = nullptr;

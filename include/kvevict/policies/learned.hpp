@@ -181,6 +181,9 @@ namespace budgeters {
 ///   ratios       on_device only: fp64 (num_layers * kv_heads) device copy of
 ///                r = detail::lkv_ratios(logits, temperature), computed on the host, so the
 ///                device water-fills the same doubles as the CPU.
+///   ratios_temperature  on_device only: the temperature `ratios` were computed with (set by
+///                cuda::lkv_device_tables); check() refuses a `temperature` that differs from it
+///                (the device cannot recompute the ratios: re-upload the tables instead).
 /// Budget: R = budget_request::keep_fraction, B_total = floor(R * (N * t)) (fp64), N =
 /// num_layers * kv_heads; with keep_tokens B instead, B_total = N * min(B, t). Each head first
 /// gets its protected tokens (sinks + recent window of the selector; 0 with num_recent = 0 as
@@ -204,6 +207,7 @@ struct headwise_learned {
     std::int64_t num_tokens = 0;
     bool on_device = false;
     const double* ratios = nullptr;
+    float ratios_temperature = 0.0f;
   };
   static constexpr const char* name = "headwise_learned";
   static constexpr bool needs_scores = false;
@@ -222,6 +226,11 @@ struct headwise_learned {
     if (p.on_device) {  // device tables: not readable here (their values were checked on upload)
       if (!p.ratios)
         return status::error(errc::null_pointer, "budgeter.ratios is null with budgeter.on_device = true (use cuda::lkv_device_tables)");
+      if (p.temperature != p.ratios_temperature)
+        return status::error(errc::invalid_argument,
+                             "budgeter.temperature = %g differs from %g, the temperature of the device ratios "
+                             "(budgeter.ratios_temperature); upload tables for the new temperature",
+                             static_cast<double>(p.temperature), static_cast<double>(p.ratios_temperature));
       return {};
     }
     const std::int64_t n = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;

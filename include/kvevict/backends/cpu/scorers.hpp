@@ -50,8 +50,10 @@ struct has_cpu_hook<S, std::void_t<decltype(S::score_kv_head(std::declval<const 
 /// the GEMM that writes them and the distance pass that reads them.
 inline constexpr std::int64_t lor_token_tile = 256;
 
-/// ||a - b||^2 of two d-vectors, fp32 differences with squares summed in fp64 (no overflow or
-/// underflow for any finite fp32 input). The exact fallback of the vectorised fp32 pass.
+/// ||a - b||^2 of two d-vectors, fp32 differences with squares summed in fp64 (the squares
+/// neither overflow nor underflow; a difference of two finite fp32 values beyond FLT_MAX
+/// saturates to inf, which saturate() later clamps). The exact fallback of the vectorised fp32
+/// pass.
 inline double sq_dist_fp64(const float* a, const float* b, std::int64_t d) {
   double s = 0.0;
   for (std::int64_t c = 0; c < d; ++c) {

@@ -113,6 +113,7 @@ class lkv_device_tables {
     p.temperature = temperature_;
     p.on_device = true;
     p.ratios = ratios_;
+    p.ratios_temperature = temperature_;
     return p;
   }
 
