@@ -700,6 +700,7 @@ TEST_CASE("host: LKV max_selected on CUDA bounds the CPU's exact kept count") {
     pg.scorer.on_device = true;
     pg.budgeter.on_device = true;
     pg.budgeter.ratios = reinterpret_cast<const double*>(pc.budgeter.logits);
+    pg.budgeter.ratios_temperature = pg.budgeter.temperature;
     kv::evictor<P, kv::cuda::backend> ev(pg);
     const kv::status ci = ev.can_implement(hin, budget);
     REQUIRE_MESSAGE(ci.ok(), ci.message());
@@ -724,6 +725,7 @@ TEST_CASE("host: LKV tables must live where the backend reads them") {
   pd.scorer.on_device = true;
   pd.budgeter.on_device = true;
   pd.budgeter.ratios = reinterpret_cast<const double*>(ph.budgeter.logits);
+  pd.budgeter.ratios_temperature = pd.budgeter.temperature;
   {  // host tables on CUDA
     const kv::status s = kv::evictor<P, kv::cuda::backend>(ph).can_implement(hin, budget);
     CHECK(s.code() == kv::errc::invalid_argument);
@@ -919,6 +921,7 @@ TEST_CASE("host: lkv_sequence_budgets (the CUDA plan kernel's LKV-H code) equals
     auto pd = p;
     pd.on_device = true;
     pd.ratios = r.data();
+    pd.ratios_temperature = pd.temperature;
     std::vector<double> share(static_cast<std::size_t>(n));
     std::vector<std::int64_t> capv(static_cast<std::size_t>(n)), all(static_cast<std::size_t>(n)), got(static_cast<std::size_t>(rows), -1);
     std::vector<unsigned char> clipped(static_cast<std::size_t>(n));
