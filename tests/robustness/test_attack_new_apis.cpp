@@ -740,6 +740,7 @@ TEST_CASE("attack LKV mode B: prepare_decode_scratch with bad tables and pointer
   bp = m.bp;
   bp.on_device = true;
   bp.ratios = r.data();
+  bp.ratios_temperature = bp.temperature;  // consistent device tables: refused only for being on the device
   KVEVICT_CHECK_ERR(kv::lkv::prepare_decode_scratch(bp, sc), kv::errc::invalid_argument, "on_device = true");
   REQUIRE(kv::lkv::prepare_decode_scratch(m.bp, sc).ok());
   double s = 0.0;
@@ -748,4 +749,42 @@ TEST_CASE("attack LKV mode B: prepare_decode_scratch with bad tables and pointer
     s += x;
   }
   CHECK(s == doctest::Approx(1.0).epsilon(1e-12));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Found by the fuzz target (tests/fuzz): gqa_reduction::layer_mean summed the heads' rows in
+// fp32, so scores near -FLT_MAX (key_norm of keys ~1e38, saturated) overflowed to -inf.
+
+TEST_CASE("attack layer_mean: head rows near -FLT_MAX average to a finite score (key_norm, huge keys)") {
+  robust::for_each_storage_type([&](auto tag) {
+    using T = typename decltype(tag)::type;
+    CAPTURE(robust::type_name<T>());
+    shape s;
+    s.B = 2, s.Hkv = 3, s.G = 1, s.S = 16, s.W = 2, s.D = 4;
+    problem<T> pr;
+    pr.init(s, 707);
+    // the largest finite value of T in every coordinate of a few tokens of every head: each
+    // head's score is -||k|| saturated to -FLT_MAX, and 3 x -FLT_MAX overflows fp32
+    const float big = std::is_same<T, float>::value ? 3.0e38f : std::is_same<T, kv::half_t>::value ? 65504.0f : 3.0e38f;
+    for (std::int64_t b = 0; b < s.B; ++b)
+      for (std::int64_t h = 0; h < s.Hkv; ++h)
+        for (std::int64_t t : {3, 4, 9})
+          for (std::int64_t d = 0; d < s.D; ++d) pr.k.at(b, h, t, d) = kv::from_float<T>(big);
+    pr.rebuild_views();
+    auto p = kv::presets::key_norm::defaults();
+    p.gqa = kv::gqa_reduction::layer_mean;
+    kv::evictor<kv::presets::key_norm, kv::cpu::backend> ev(p);
+    const auto budget = kv::budget_request::tokens(8);
+    const robust::result res = robust::run_evictor(ev, pr.in, budget);
+    REQUIRE_MESSAGE(res.st.ok(), res.st.message());
+    CHECK(robust::check_contract(ev, pr, res, budget) == "");
+    for (std::int64_t r = 0; r < res.rows; ++r) {
+      const auto row = res.row(r);
+      REQUIRE(row.size() == 8u);
+      for (std::int32_t t : {3, 4, 9}) CHECK(std::find(row.begin(), row.end(), t) == row.end());  // largest norms evicted
+      // every head of a sequence holds the same (layer) mean
+      for (std::int64_t n = 0; n < s.S; ++n)
+        CHECK(res.scores[static_cast<std::size_t>(r * s.S + n)] == res.scores[static_cast<std::size_t>((r / s.Hkv) * s.Hkv * s.S + n)]);
+    }
+  });
 }

@@ -308,12 +308,17 @@ class evictor<Policy, cpu::backend> {
             const std::int64_t L = in.length(b, 0);
             float* o0 = buf.scores + (b * H) * S;
             double dsum = buf.drift[b * H];
-            for (std::int64_t h = 1; h < H; ++h) {
-              const float* oh = buf.scores + (b * H + h) * S;
-              for (std::int64_t n = 0; n < L; ++n) o0[n] += oh[n];
-              dsum += buf.drift[b * H + h];
+            for (std::int64_t h = 1; h < H; ++h) dsum += buf.drift[b * H + h];
+            for (std::int64_t n = 0; n < L; ++n) {  // fp32 sum in head order (as CUDA); fp64 where it overflows
+              float acc = o0[n];
+              double dacc = o0[n];
+              for (std::int64_t h = 1; h < H; ++h) {
+                acc += buf.scores[(b * H + h) * S + n];
+                dacc += buf.scores[(b * H + h) * S + n];
+              }
+              acc /= static_cast<float>(H);
+              o0[n] = std::isfinite(acc) ? acc : static_cast<float>(dacc / static_cast<double>(H));
             }
-            for (std::int64_t n = 0; n < L; ++n) o0[n] /= static_cast<float>(H);
             for (std::int64_t h = 1; h < H; ++h) {
               std::copy(o0, o0 + L, buf.scores + (b * H + h) * S);
               buf.drift[b * H + h] = dsum / static_cast<double>(H);
