@@ -333,7 +333,7 @@ __global__ void gqa_reduce_kernel(const float* grows, float* scores, int B, int 
 }
 
 /// layer_mean: every head of sequence b gets the mean of the H heads' rows (fp32 sum in head
-/// order, then / H, as the CPU backend). Thread per (b, n).
+/// order, then / H, as the CPU backend; fp64 where the fp32 sum overflows). Thread per (b, n).
 template <int Unused = 0>
 __global__ void layer_mean_kernel(float* scores, int B, int H, std::int64_t S, const std::int32_t* len_kv, int Hkv,
                                          const std::uint8_t* need) {
@@ -344,8 +344,13 @@ __global__ void layer_mean_kernel(float* scores, int B, int H, std::int64_t S, c
     if (!need[b * H] || n >= len_kv[b * Hkv]) continue;
     float* o = scores + b * H * S + n;
     float acc = o[0];
-    for (int h = 1; h < H; ++h) acc += o[h * S];
+    double dacc = o[0];  // fp64 where the fp32 sum overflows (scores near -FLT_MAX), as the CPU backend
+    for (int h = 1; h < H; ++h) {
+      acc += o[h * S];
+      dacc += o[h * S];
+    }
     acc /= static_cast<float>(H);
+    if (!isfinite(acc)) acc = static_cast<float>(dacc / static_cast<double>(H));
     for (int h = 0; h < H; ++h) o[h * S] = acc;
   }
 }
