@@ -99,6 +99,10 @@ def main():
                                                 vseed=1590 + p)
         seeds[f"p{p}_stage_ratio_zero"] = seed(p, 1, S=28, W=4, mutate=[0x00, 0x00] + ada + [0xC0, 0, 0x7F],
                                                vseed=1600 + p)
+    # regression inputs found by fuzzing (raw bytes)
+    # key_norm, half_t, layer_mean over 9 heads of keys scaled to the fp16 limit: the fp32 head sum
+    # overflowed to -inf in maybe_scores (fixed in the CPU evictor and the CUDA layer_mean kernel)
+    seeds["regress_layer_mean_overflow"] = bytes.fromhex("d940" + "71" * 25 + "f000000080e0")
     for name, data in sorted(seeds.items()):
         with open(os.path.join(OUT, name), "wb") as f:
             f.write(data)
