@@ -223,6 +223,11 @@ struct headwise_learned {
     if (p.min_budget < 0) return status::error(errc::invalid_argument, "budgeter.min_budget = %d must be >= 0", p.min_budget);
     if (p.num_tokens < 0)
       return status::error(errc::invalid_argument, "budgeter.num_tokens = %lld must be >= 0", static_cast<long long>(p.num_tokens));
+    // B_total = floor(R * N * t) is computed in fp64: N * t must stay exact (<= 2^53).
+    if (p.num_tokens > (std::int64_t{1} << 53) / (static_cast<std::int64_t>(p.num_layers) * p.kv_heads))
+      return status::error(errc::invalid_argument,
+                           "budgeter.num_tokens = %lld is too large: num_layers * kv_heads * num_tokens must be <= 2^53",
+                           static_cast<long long>(p.num_tokens));
     if (p.on_device) {  // device tables: not readable here (their values were checked on upload)
       if (!p.ratios)
         return status::error(errc::null_pointer, "budgeter.ratios is null with budgeter.on_device = true (use cuda::lkv_device_tables)");
