@@ -7,6 +7,7 @@
 // queries, the W_O factor) + the selection written; flops = the scorer's (cpu_stage.hpp):
 //   restkv   lor_flops(L) (+ drift, smoothing, selection: no flops counted)
 //   snapkv / adakv   window attention 2 * 32 w L d + 2 * 32 w L
+//   lkv      lkv::full with a synthetic 32-layer table: the MLP, kv_heads * L * (4 * hidden * d + 4 * hidden)
 //   h2o      the whole prompt as window (W = L): 2 * 32 L^2 d + 2 * 32 L^2, i.e. what the
 //            blocked CPU scorer computes (each 32-row block computes all L logits, the causal
 //            upper triangle is masked after the product). O(L^2): measured at 1k and 4k only.
@@ -18,6 +19,7 @@
 #include "common/alloc_counter.hpp"
 #include "common/bench_data.hpp"
 #include "common/cpu_stage.hpp"
+#include "kvevict/backends/cpu/learned.hpp"
 #include "kvevict/cpu.hpp"
 
 namespace kb = kvevict_bench;
@@ -26,11 +28,13 @@ using kvevict::bfloat16_t;
 namespace {
 
 template <class Preset, class T>
-void run_preset(benchmark::State& st, std::int64_t W, double flops) {
+void run_preset(benchmark::State& st, std::int64_t W, double flops, const typename Preset::params& p = Preset::defaults(),
+                std::int32_t num_layers = 0) {
   const std::int64_t L = st.range(0);
   const auto& data = kb::get_layer<T>(L, W);
-  const auto in = data.inputs();
-  kvevict::evictor<Preset, kvevict::cpu::backend> ev;
+  auto in = data.inputs();
+  if (num_layers > 0) in.num_layers = num_layers;  // layer 0 of a num_layers model (LKV's global budgets)
+  kvevict::evictor<Preset, kvevict::cpu::backend> ev(p);
   const auto budget = kvevict::budget_request::tokens(static_cast<std::int32_t>(kb::bench_budget(L)));
   const kvevict::status ok = ev.can_implement(in, budget);
   if (!ok.ok()) {
@@ -85,6 +89,45 @@ void BM_h2o(benchmark::State& st) {
   run_preset<kvevict::presets::h2o, T>(st, st.range(0), snap_flops(st.range(0), st.range(0)));
 }
 
+/// Full LKV (learned MLP scorer + learned global head-wise budgets) with a synthetic table of
+/// an 8B-class model's shape: 32 layers x 8 KV heads, head_dim 128, MLP hidden 32, seeded
+/// weights (the cost does not depend on their values). flops: the MLP per token and KV head,
+/// 2 * hidden * 2d (first layer) + 4 * hidden (activation-free count of the rest).
+struct lkv_table {
+  static constexpr std::int32_t layers = 32, hidden = 32;
+  std::vector<float> weights, logits;
+  lkv_table() {
+    const std::int64_t n = static_cast<std::int64_t>(layers) * kb::kKvHeads;
+    weights.resize(static_cast<std::size_t>(n * kvevict::scorers::learned_mlp::block_floats(kb::kHeadDim, hidden)));
+    logits.resize(static_cast<std::size_t>(n));
+    std::uint32_t x = 12345u;
+    auto next = [&x] {
+      x = x * 1664525u + 1013904223u;
+      return static_cast<float>(x >> 8) / 16777216.0f - 0.5f;
+    };
+    for (auto& w : weights) w = 0.1f * next();
+    for (auto& z : logits) z = next();
+  }
+  kvevict::lkv::full::params params() const {
+    auto p = kvevict::lkv::full::defaults();
+    p.scorer.weights = weights.data();
+    p.scorer.num_layers = layers;
+    p.scorer.kv_heads = static_cast<std::int32_t>(kb::kKvHeads);
+    p.scorer.head_dim = static_cast<std::int32_t>(kb::kHeadDim);
+    p.scorer.hidden = hidden;
+    p.budgeter.logits = logits.data();
+    p.budgeter.num_layers = layers;
+    p.budgeter.kv_heads = static_cast<std::int32_t>(kb::kKvHeads);
+    return p;
+  }
+};
+template <class T>
+void BM_lkv(benchmark::State& st) {
+  static const lkv_table table;
+  const double flops = kb::D(kb::kKvHeads * st.range(0)) * (2.0 * lkv_table::hidden * 2.0 * kb::kHeadDim + 4.0 * lkv_table::hidden);
+  run_preset<kvevict::lkv::full, T>(st, kb::kWindow, flops, table.params(), lkv_table::layers);
+}
+
 int iters_preset(std::int64_t L) { return L >= 32768 ? 3 : 0; }
 int iters_h2o(std::int64_t L) { return L >= 4096 ? 1 : 0; }
 
@@ -96,6 +139,8 @@ struct registrar {
     kb::register_seq("preset_snapkv/bf16", BM_snapkv<bfloat16_t>, kb::kSeqLens, iters_preset);
     kb::register_seq("preset_adakv/f32", BM_adakv<float>, kb::kSeqLens, iters_preset);
     kb::register_seq("preset_adakv/bf16", BM_adakv<bfloat16_t>, kb::kSeqLens, iters_preset);
+    kb::register_seq("preset_lkv/f32", BM_lkv<float>, kb::kSeqLens, iters_preset);
+    kb::register_seq("preset_lkv/bf16", BM_lkv<bfloat16_t>, kb::kSeqLens, iters_preset);
     kb::register_seq("preset_h2o/f32", BM_h2o<float>, {1024, 4096}, iters_h2o);
     kb::register_seq("preset_h2o/bf16", BM_h2o<bfloat16_t>, {1024, 4096}, iters_h2o);
   }
