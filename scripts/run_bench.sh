@@ -145,7 +145,7 @@ out.append("| benchmark | dtype | L | time ms | CPU ms | tokens/s | GB/s | GFLOP
 out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
 order = ["window_attention", "score_attention_weight", "score_reconstruction", "score_reconstruction_drift",
          "smooth_avg_pool", "smooth_adaptive_window", "budget_adakv", "select_topk", "compact",
-         "preset_restkv", "preset_snapkv", "preset_adakv", "preset_h2o"]
+         "preset_restkv", "preset_snapkv", "preset_adakv", "preset_lkv", "preset_h2o"]
 for k in order:
     for dt in ("f32", "bf16"):
         for (kk, dd, L), b in sorted(runs.items(), key=lambda x: x[0][2]):
@@ -204,7 +204,7 @@ ratios = {}
 for (k, dt, L), pb in sorted(runs.items(), key=lambda x: x[0][2]):
     if k != "prefill_attention": continue
     layer = pb["sec"] * pb.get("layer_scale", 1.0)
-    for pk in ("preset_restkv", "preset_snapkv", "preset_adakv"):
+    for pk in ("preset_restkv", "preset_snapkv", "preset_adakv", "preset_lkv"):
         for pdt in ("f32", "bf16"):
             e = get(pk, pdt, L)
             if not e: continue
