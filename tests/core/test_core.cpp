@@ -515,10 +515,11 @@ TEST_CASE("budget: AdaKV head-wise allocation matches the documented formula") {
     std::vector<std::vector<float>> scf(static_cast<std::size_t>(H));
     std::vector<const float*> ptr;
     std::vector<kvevict::detail::head_plan> lp;
-    const std::int64_t B = r.integer(4, 20);
+    const std::int64_t B = it % 3 == 0 ? r.integer(1, 6) : r.integer(4, 20);
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t L = r.integer(1, 50);
-      plans.push_back(kvref::plan(L, B, 0.0, 1, 3, -1.0, 3));
+      // a third of the cases protect nothing (the floor of 1 candidate per evicting head)
+      plans.push_back(it % 3 == 0 ? kvref::plan(L, B, 0.0, 0, 0, -1.0, 3) : kvref::plan(L, B, 0.0, 1, 3, -1.0, 3));
       kvref::vec s(static_cast<std::size_t>(L));
       const double scale = r.uniform(0.1, 10.0);  // heads of different score scales
       for (auto& x : s) x = static_cast<float>(scale * r.uniform());
@@ -541,6 +542,7 @@ TEST_CASE("budget: AdaKV head-wise allocation matches the documented formula") {
       CHECK(got[static_cast<std::size_t>(h)] == again[static_cast<std::size_t>(h)]);
       CHECK(got[static_cast<std::size_t>(h)] <= pl.L);
       CHECK(got[static_cast<std::size_t>(h)] >= std::min(pl.L, pl.prot()));
+      CHECK(got[static_cast<std::size_t>(h)] >= 1);  // never an empty head (L >= 1 here)
       sum += got[static_cast<std::size_t>(h)];
       want += pl.pass ? pl.L : pl.base;
       if (!pl.pass && got[static_cast<std::size_t>(h)] != pl.base) ++uneven;

@@ -267,6 +267,96 @@ TEST_CASE("budgeters through the evictor: PyramidKV (integer and exact) and AdaK
   }
 }
 
+TEST_CASE("budgeters never empty a non-empty head when nothing is protected (AdaKV, PyramidKV; tiny budgets)") {
+  // CI's fuzzer found AdaKV giving one of two heads both tokens of a 1-token-per-head budget and
+  // the other none (num_recent = 0, keep fraction 0.004); PyramidKV's min = P // beta is 0 for
+  // P < beta, which emptied the deepest layers. Both now keep >= 1 token per evicting head.
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 4, s.group = 2, s.cap = 40, s.d = 8, s.window = 4;
+  ref_config c;
+  c.scorer = scorer_kind::attention_weight;
+  c.spatial = spatial_kind::avg_pool;
+  c.num_recent = 0;
+  int floored = 0;
+  for (std::uint64_t seed = 1200; seed < 1206; ++seed) {
+    // one head with much sharper attention, so a plain top-T gives it every winner
+    kvtest::problem pr = kvtest::make_problem(s, seed, 1.0, 1.5, 1.0, {40, 7, 2, 33, 40, 40, 1, 26});
+    for (std::int64_t b = 0; b < s.batch; ++b)
+      for (std::int64_t j = 0; j < s.window; ++j)
+        for (std::int64_t d = 0; d < s.d; ++d)
+          for (std::int64_t g = 0; g < s.group; ++g) pr.Q[pr.q_idx(b, g, j, d)] *= 8.0;
+    kvtest::stored<float> st;
+    kvtest::store(pr, layout::nhd, st);
+    for (const kv::budget_request req : {kv::budget_request::fraction(0.004), kv::budget_request::tokens(1),
+                                         kv::budget_request::tokens(2), kv::budget_request::fraction(0.1)}) {
+      CAPTURE(seed);
+      CAPTURE(req.keep_tokens);
+      CAPTURE(req.keep_fraction);
+      auto cc = c;
+      cc.keep_tokens = req.keep_tokens;
+      cc.keep_fraction = req.keep_fraction;
+      auto check_rows = [&](const kvtest::lib_result& lib) {
+        REQUIRE(lib.st.ok());
+        for (std::int64_t r = 0; r < lib.rows; ++r) {
+          const std::int64_t L = pr.length(r / s.kv_heads, r % s.kv_heads);
+          CAPTURE(r);
+          CHECK((L == 0 || !lib.kept(r).empty()));
+          floored += L > 1 && lib.kept(r).size() == 1;
+        }
+      };
+      {
+        auto p = kv::presets::adakv::defaults();
+        p.selector.num_recent = 0;
+        for (float alpha : {0.0f, 0.2f}) {
+          p.budgeter.alpha = alpha;
+          cc.budgeter = kvtest::budget_kind::adakv;
+          cc.adakv_alpha = static_cast<double>(alpha);
+          kv::evictor<kv::presets::adakv, kv::cpu::backend> ev(p);
+          auto lib = kvtest::run_lib(ev, st.in, req);
+          check_rows(lib);
+          const std::string diff = kvtest::compare(lib, kvtest::reference_run(pr, cc));
+          CHECK_MESSAGE(diff.empty(), diff);
+        }
+      }
+      for (bool exact : {false, true})
+        for (int layer : {0, 5, 11}) {
+          auto p = kv::presets::pyramidkv::defaults();
+          p.selector.num_recent = 0;
+          p.budgeter.exact_total = exact;
+          cc.budgeter = kvtest::budget_kind::pyramid;
+          cc.pyramid_exact = exact;
+          cc.layer = layer, cc.num_layers = 12;
+          st.in.layer_idx = layer;
+          st.in.num_layers = 12;
+          kv::evictor<kv::presets::pyramidkv, kv::cpu::backend> ev(p);
+          auto lib = kvtest::run_lib(ev, st.in, req);
+          check_rows(lib);
+          const std::string diff = kvtest::compare(lib, kvtest::reference_run(pr, cc));
+          CHECK_MESSAGE(diff.empty(), diff);
+        }
+      st.in.layer_idx = 0;
+      st.in.num_layers = 1;
+      cc.layer = 0, cc.num_layers = 1;
+    }
+  }
+  CHECK(floored > 0);
+  // PyramidKV alone: for P < beta the deepest layer used to get 0 candidates.
+  kv::budgeters::pyramid::params pp;
+  for (bool exact : {false, true}) {
+    pp.exact_total = exact;
+    std::int64_t sum = 0;
+    for (int l = 0; l < 32; ++l) {
+      const auto v = kv::budgeters::pyramid::layer_candidates(pp, 3, 500, l, 32, 1);
+      CHECK(v >= 1);
+      sum += v;
+    }
+    if (exact) CHECK(sum == 32 * 3);
+    // PyramidKV's own rule: min = 3 // 20 = 0 reaches the last layer in the exact schedule (the
+    // integer one keeps max for every layer here: step = (6 - 0) // 31 = 0).
+    CHECK(kv::budgeters::pyramid::layer_candidates(pp, 3, 500, 31, 32, 0) == (exact ? 0 : 6));
+  }
+}
+
 TEST_CASE("randomised configurations (shapes, lengths, sinks, recent rules, budgets, GQA, smoothing) vs reference") {
   kvtest::rng r(4243);
   int sets = 0, runs = 0;

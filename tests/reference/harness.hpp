@@ -407,10 +407,10 @@ inline std::vector<ref_row> reference_run(const problem& p, const ref_config& cf
         if (pl.pass) bud[static_cast<std::size_t>(hr)] = pl.L;
         else if (cfg.budgeter == budget_kind::uniform) bud[static_cast<std::size_t>(hr)] = pl.base;
         else {
-          const std::int64_t P = pl.base - pl.prot();
+          const std::int64_t P = pl.base - pl.prot(), min_c = pl.prot() == 0 ? 1 : 0;
           bud[static_cast<std::size_t>(hr)] =
-              pl.prot() + (cfg.pyramid_exact ? kvref::pyramid_exact(P, pl.cand(), cfg.pyramid_beta, cfg.layer, cfg.num_layers)
-                                             : kvref::pyramid_integer(P, pl.cand(), cfg.pyramid_beta, cfg.layer, cfg.num_layers));
+              pl.prot() + (cfg.pyramid_exact ? kvref::pyramid_exact(P, pl.cand(), cfg.pyramid_beta, cfg.layer, cfg.num_layers, nullptr, min_c)
+                                             : kvref::pyramid_integer(P, pl.cand(), cfg.pyramid_beta, cfg.layer, cfg.num_layers, min_c));
         }
       }
     }

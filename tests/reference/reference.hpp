@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
 #include <vector>
 
 namespace kvref {
@@ -455,10 +456,12 @@ inline std::vector<std::int64_t> largest_remainder(const vec& share, const std::
 
 /// PyramidKV candidates of layer l (P = B - protected, C = L - protected), PyramidKV's integer
 /// code: min = P // beta; max = 2P - min; if max >= C: max = C, min = 2P - max;
-/// step = (max - min) // (n - 1); keep max - l * step.
-inline std::int64_t pyramid_integer(std::int64_t P, std::int64_t C, double beta, std::int64_t layer, std::int64_t n) {
+/// step = (max - min) // (n - 1); keep max - l * step. min_c (1 for a head with nothing
+/// protected, kvevict's rule) raises min before max is derived.
+inline std::int64_t pyramid_integer(std::int64_t P, std::int64_t C, double beta, std::int64_t layer, std::int64_t n,
+                                    std::int64_t min_c = 0) {
   if (n <= 1) return std::min(P, C);
-  std::int64_t mn = static_cast<std::int64_t>(std::floor(static_cast<double>(P) / beta));
+  std::int64_t mn = std::max(min_c, static_cast<std::int64_t>(std::floor(static_cast<double>(P) / beta)));
   std::int64_t mx = 2 * P - mn;
   if (mx >= C) {
     mx = C;
@@ -473,9 +476,9 @@ inline std::int64_t pyramid_integer(std::int64_t P, std::int64_t C, double beta,
 /// = num_l / (n-1) with num_l = max (n-1) - l (max - min), so fractional parts compare exactly.
 /// rem (optional) receives num_l mod (n-1) per layer (the exact fractional parts times n-1).
 inline std::int64_t pyramid_exact(std::int64_t P, std::int64_t C, double beta, std::int64_t layer, std::int64_t n,
-                                  std::vector<std::int64_t>* rem = nullptr) {
+                                  std::vector<std::int64_t>* rem = nullptr, std::int64_t min_c = 0) {
   if (n <= 1) return std::min(P, C);
-  std::int64_t mn = static_cast<std::int64_t>(std::floor(static_cast<double>(P) / beta));
+  std::int64_t mn = std::max(min_c, static_cast<std::int64_t>(std::floor(static_cast<double>(P) / beta)));
   std::int64_t mx = 2 * P - mn;
   if (mx >= C) {
     mx = C;
@@ -541,7 +544,8 @@ inline head_plan plan(std::int64_t L, std::int64_t keep_tokens, double keep_frac
 /// AdaKV budgets for the heads of one sequence (see budgeters::adakv): T = sum (B_h - prot_h)
 /// over evicting heads; top-T candidate scores over all heads (NaN lowest, ties: lower head then
 /// lower index); share_h = (1 - alpha) winners_h + alpha (B_h - prot_h); largest remainder to T
-/// with cap = candidates; budget = prot + extra. Pass-through heads keep L.
+/// with cap = candidates; budget = prot + extra. Pass-through heads keep L. A head with nothing
+/// protected is never emptied (it takes 1 token from the head with the largest surplus).
 inline std::vector<std::int64_t> adakv_budgets(const std::vector<head_plan>& plans, const std::vector<vec>& scores,
                                                double alpha) {
   struct c {
@@ -571,7 +575,19 @@ inline std::vector<std::int64_t> adakv_budgets(const std::vector<head_plan>& pla
   vec share(H, 0.0);
   for (std::size_t h = 0; h < H; ++h)
     if (!plans[h].pass) share[h] = (1.0 - alpha) * static_cast<double>(win[h]) + alpha * static_cast<double>(plans[h].base - plans[h].prot());
-  const auto extra = largest_remainder(share, &cap, T);
+  auto extra = largest_remainder(share, &cap, T);
+  // Floor: an evicting head with nothing protected and extra 0 takes 1 from the head whose
+  // extra exceeds its own floor the most (first such head on ties), heads in order.
+  auto floor1 = [&](std::size_t h) -> std::int64_t { return !plans[h].pass && plans[h].prot() == 0 && plans[h].cand() > 0; };
+  for (std::size_t h = 0; h < H; ++h) {
+    if (!floor1(h) || extra[h] != 0) continue;
+    std::vector<std::int64_t> surplus(H);
+    for (std::size_t j = 0; j < H; ++j) surplus[j] = extra[j] - floor1(j);
+    const std::size_t donor = static_cast<std::size_t>(std::max_element(surplus.begin(), surplus.end()) - surplus.begin());
+    if (surplus[donor] <= 0) throw std::logic_error("adakv_budgets: no donor");
+    --extra[donor];
+    ++extra[h];
+  }
   std::vector<std::int64_t> out(H);
   for (std::size_t h = 0; h < H; ++h) out[h] = plans[h].pass ? plans[h].L : plans[h].prot() + extra[h];
   return out;

@@ -30,7 +30,9 @@ struct uniform {
 /// PyramidKV per-layer schedule (Cai et al. 2024, arXiv 2406.02069). With P = B - protected
 /// and C = L - protected candidates: min = P // beta, max = 2P - min; if max >= C then
 /// max = C, min = 2P - max; layer l keeps max - l * (max - min) / (n_layers - 1) candidates
-/// plus its protected tokens.
+/// plus its protected tokens. A head with no protected token keeps at least 1 candidate in every
+/// layer (min is raised to 1 before max is derived, so the layers still sum to n_layers * P):
+/// PyramidKV's min = P // beta is 0 for P < beta, which would empty the deepest layers' heads.
 ///  - exact_total (default): the real-valued schedule, rounded by largest remainder over the
 ///    layers so that the n_layers budgets sum to exactly n_layers * P (the average is B);
 ///  - exact_total = false: PyramidKV's integer code, step = (max - min) // (n_layers - 1).
@@ -47,11 +49,13 @@ struct pyramid {
       return status::error(errc::invalid_argument, "budgeter.beta = %g must be finite and >= 1", static_cast<double>(p.beta));
     return {};
   }
-  /// Candidates (non-protected kept tokens) of layer `layer` for P, C. Host and device.
+  /// Candidates (non-protected kept tokens) of layer `layer` for P, C; min_candidates (0 or 1,
+  /// <= P) is the least any layer gets. Host and device.
   KVEVICT_HOST_DEVICE static std::int64_t layer_candidates(const params& p, std::int64_t P, std::int64_t C, int layer,
-                                                           int num_layers) {
+                                                           int num_layers, std::int64_t min_candidates = 0) {
     if (num_layers <= 1) return P < C ? P : C;
     std::int64_t mn = static_cast<std::int64_t>(std::floor(static_cast<double>(P) / p.beta));
+    if (mn < min_candidates) mn = min_candidates;
     std::int64_t mx = 2 * P - mn;
     if (mx >= C) {
       mx = C;
@@ -86,7 +90,7 @@ struct pyramid {
                                                       int num_layers) {
     if (h.pass_through) return h.length;
     const std::int64_t P = h.base_budget - h.protected_count();
-    return h.protected_count() + layer_candidates(p, P, h.candidates(), layer, num_layers);
+    return h.protected_count() + layer_candidates(p, P, h.candidates(), layer, num_layers, h.protected_count() == 0 ? 1 : 0);
   }
 };
 
@@ -96,7 +100,11 @@ struct pyramid {
 /// head h; budget_h = protected_h + round((1 - alpha) c_h + alpha (B_h - protected_h)), the
 /// rounding by largest remainder so the layer total is exactly T. alpha = 0 is pure
 /// AdaKV; the published GQA setting is alpha = 0.2. Scores are the smoothed, GQA-reduced
-/// scores of the scorer. Errors: alpha outside [0, 1].
+/// scores of the scorer. A head with no protected token is never emptied: after the rounding,
+/// each such head left with 0 takes 1 token from the head with the largest surplus (extra_h
+/// minus its own floor; ties: lower head), in head order. The total stays T, and nothing
+/// changes when no head was emptied. (Without the floor, 1 token per head over 2 heads with
+/// nothing protected gave one head both tokens.) Errors: alpha outside [0, 1].
 struct adakv {
   struct params {
     float alpha = 0.2f;
@@ -107,6 +115,49 @@ struct adakv {
     if (!(p.alpha >= 0.0f && p.alpha <= 1.0f))
       return status::error(errc::invalid_argument, "budgeter.alpha = %g must be in [0, 1]", static_cast<double>(p.alpha));
     return {};
+  }
+  /// The second half of the allocation, the same code on every backend: from the plans of the
+  /// H heads of one sequence, winners[h] (c_h, the head's share of the global top-T candidate
+  /// scores) and T (the layer's candidate total, <= the number of candidates), write budgets[h]
+  /// (protected + apportioned, or L for a pass-through head). share, cap, extra: scratch of H
+  /// entries each. Host and device; O(H^2) (detail::apportion).
+  template <class Count>
+  KVEVICT_HOST_DEVICE static void apportion_budgets(const params& p, const detail::head_plan* pl, const Count* winners,
+                                                    std::int64_t H, std::int64_t T, double* share, std::int64_t* cap,
+                                                    std::int64_t* extra, std::int64_t* budgets) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      share[h] = 0.0;
+      cap[h] = 0;
+      if (pl[h].pass_through) continue;
+      cap[h] = pl[h].candidates();
+      share[h] = (1.0 - static_cast<double>(p.alpha)) * static_cast<double>(winners[h]) +
+                 static_cast<double>(p.alpha) * static_cast<double>(pl[h].base_budget - pl[h].protected_count());
+    }
+    detail::apportion(share, cap, H, T, extra);
+    // Floor: an emptied head that must keep a token takes one from the head with the largest
+    // surplus extra - m (ties: lower head). One exists: sum(extra - m) = T - sum(m) >= 0
+    // (a floored head has B >= 1 and >= 1 candidate, so it adds >= 1 to T and 1 to sum(m)),
+    // and the emptied head's own term is -1.
+    for (std::int64_t h = 0; h < H; ++h) {
+      if (floor_tokens(pl[h]) == 0 || extra[h] > 0) continue;
+      std::int64_t donor = -1, best = 0;
+      for (std::int64_t j = 0; j < H; ++j) {
+        const std::int64_t surplus = extra[j] - floor_tokens(pl[j]);
+        if (surplus > best) {
+          best = surplus;
+          donor = j;
+        }
+      }
+      if (donor < 0) break;  // unreachable (see above); never take from a head that cannot spare
+      --extra[donor];
+      ++extra[h];
+    }
+    for (std::int64_t h = 0; h < H; ++h)
+      budgets[h] = pl[h].pass_through ? pl[h].length : pl[h].protected_count() + extra[h];
+  }
+  /// m_h: 1 for an evicting head with candidates and nothing protected, else 0.
+  KVEVICT_HOST_DEVICE static std::int64_t floor_tokens(const detail::head_plan& h) {
+    return (!h.pass_through && h.protected_count() == 0 && h.candidates() > 0) ? 1 : 0;
   }
 };
 

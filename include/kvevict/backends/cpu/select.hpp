@@ -126,7 +126,6 @@ inline void adakv_budgets(const budgeters::adakv::params& p, const kvevict::deta
     const auto& pl = plans[h];
     if (pl.pass_through) continue;
     T += pl.base_budget - pl.protected_count();
-    cap[h] = pl.candidates();
     for (std::int64_t i = pl.sinks; i < pl.length - pl.recent; ++i)
       all.push_back(cand{scores[h][i], static_cast<std::int32_t>(h), static_cast<std::int32_t>(i)});
   }
@@ -143,17 +142,7 @@ inline void adakv_budgets(const budgeters::adakv::params& p, const kvevict::deta
     if (T < static_cast<std::int64_t>(all.size())) std::nth_element(all.begin(), all.begin() + (T - 1), all.end(), better);
     for (std::int64_t t = 0; t < T; ++t) ++winners[static_cast<std::size_t>(all[static_cast<std::size_t>(t)].h)];
   }
-  for (std::int64_t h = 0; h < heads; ++h) {
-    const auto& pl = plans[h];
-    if (pl.pass_through) continue;
-    share[static_cast<std::size_t>(h)] = (1.0 - p.alpha) * static_cast<double>(winners[static_cast<std::size_t>(h)]) +
-                                         p.alpha * static_cast<double>(pl.base_budget - pl.protected_count());
-  }
-  kvevict::detail::apportion(share.data(), cap.data(), heads, T, extra.data());
-  for (std::int64_t h = 0; h < heads; ++h) {
-    const auto& pl = plans[h];
-    budgets[h] = pl.pass_through ? pl.length : pl.protected_count() + extra[static_cast<std::size_t>(h)];
-  }
+  budgeters::adakv::apportion_budgets(p, plans, winners.data(), heads, T, share.data(), cap.data(), extra.data(), budgets);
 }
 
 }  // namespace detail

@@ -467,7 +467,7 @@ __global__ void max_pool_kernel(int kernel, const float* x, float* y, std::int64
 
 /// AdaKV budgets, one block per sequence: the global top-T over the candidate scores of all the
 /// sequence's heads (ties: lower head, then lower index = the concatenated index order) by
-/// block radix select, winners per head, then the shares and detail::apportion (thread 0).
+/// block radix select, winners per head, then budgeters::adakv::apportion_budgets (thread 0).
 /// Scratch (global): candprefix [B][H + 1], winners/cap/extra [B * H], share [B * H].
 template <int Unused = 0>
 __global__ void adakv_kernel(budgeters::adakv::params p, const head_plan* plans, const float* scores, int H,
@@ -514,19 +514,9 @@ __global__ void adakv_kernel(budgeters::adakv::params p, const head_plan* plans,
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    double* sh = share + static_cast<std::int64_t>(b) * H;
-    std::int64_t* cp = cap + static_cast<std::int64_t>(b) * H;
-    std::int64_t* ex = extra + static_cast<std::int64_t>(b) * H;
-    for (int h = 0; h < H; ++h) {
-      sh[h] = 0.0;
-      cp[h] = 0;
-      if (pl[h].pass_through) continue;
-      cp[h] = pl[h].candidates();
-      sh[h] = (1.0 - p.alpha) * static_cast<double>(win[h]) + p.alpha * static_cast<double>(pl[h].base_budget - pl[h].protected_count());
-    }
-    kvevict::detail::apportion(sh, cp, H, T, ex);
-    for (int h = 0; h < H; ++h)
-      budgets[static_cast<std::int64_t>(b) * H + h] = pl[h].pass_through ? pl[h].length : pl[h].protected_count() + ex[h];
+    budgeters::adakv::apportion_budgets(p, pl, win, H, T, share + static_cast<std::int64_t>(b) * H,
+                                        cap + static_cast<std::int64_t>(b) * H, extra + static_cast<std::int64_t>(b) * H,
+                                        budgets + static_cast<std::int64_t>(b) * H);
   }
 }
 
