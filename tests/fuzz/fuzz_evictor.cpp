@@ -392,10 +392,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     case 5: dispatch_type<tova>(r); break;
     case 6: dispatch_type<streaming_llm>(r); break;
     case 7: dispatch_type<key_norm>(r); break;
-    // critical_adakv is left out until AdaKV keeps >= 1 token in every non-empty head when no
-    // token is protected: CI's fuzz run found budget 0 for one of two heads (keep fraction
-    // 0.004 of 26 tokens, num_recent 0; docs/failure-kinds.md, "open").
-    default: dispatch_type<criticalkv>(r); break;
+    case 8: dispatch_type<criticalkv>(r); break;
+    default: dispatch_type<critical_adakv>(r); break;
   }
   return 0;
 }

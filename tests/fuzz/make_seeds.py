@@ -103,6 +103,10 @@ def main():
     # key_norm, half_t, layer_mean over 9 heads of keys scaled to the fp16 limit: the fp32 head sum
     # overflowed to -inf in maybe_scores (fixed in the CPU evictor and the CUDA layer_mean kernel)
     seeds["regress_layer_mean_overflow"] = bytes.fromhex("d940" + "71" * 25 + "f000000080e0")
+    # adakv (bf16) and critical_adakv with num_recent = 0 and about 1 token per head: AdaKV's rounding
+    # gave one head every token and another none (fixed: a floor of 1 for a head with nothing protected)
+    seeds["regress_adakv_empty_head"] = bytes.fromhex("0302273e3e3e400101012805008c0101008c000101011202070307010001" "0800")
+    seeds["regress_critical_adakv_empty_head"] = bytes.fromhex("090040030a011a05008c010101120207010003070100")
     for name, data in sorted(seeds.items()):
         with open(os.path.join(OUT, name), "wb") as f:
             f.write(data)
