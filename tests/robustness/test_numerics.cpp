@@ -141,16 +141,19 @@ void compare_scores(const kvevict::evictor<P, kvevict::cpu::backend>& ev, const 
       CHECK_MESSAGE(mis < 0, "first mismatch at slot " << mis << ": lib " << (mis >= 0 ? lib[mis] : 0.0f) << " ref "
                                                        << (mis >= 0 ? want[static_cast<std::size_t>(mis)] : 0.0));
       // kept candidates vs reference top-k
-      std::vector<std::int32_t> lib_kept, ref_kept, cand;
+      std::vector<std::int32_t> lib_kept, ref_kept;
       for (std::int32_t i = r.indptr[static_cast<std::size_t>(b * pr.sh.Hkv + h)]; i < r.indptr[static_cast<std::size_t>(b * pr.sh.Hkv + h + 1)]; ++i) {
         const std::int32_t s = r.indices[static_cast<std::size_t>(i)];
         if (s >= c0 && s < c1) lib_kept.push_back(s);
       }
-      for (std::int64_t t = c0; t < c1; ++t) cand.push_back(static_cast<std::int32_t>(t));
-      std::stable_sort(cand.begin(), cand.end(), [&](std::int32_t x, std::int32_t y) {
+      // Reference top-k: every candidate by decreasing reference score (stable: ties keep slot order),
+      // cut to as many as the library kept.
+      for (std::int64_t t = c0; t < c1; ++t) ref_kept.push_back(static_cast<std::int32_t>(t));
+      std::stable_sort(ref_kept.begin(), ref_kept.end(), [&](std::int32_t x, std::int32_t y) {
         return want[static_cast<std::size_t>(x)] > want[static_cast<std::size_t>(y)];
       });
-      ref_kept.assign(cand.begin(), cand.begin() + static_cast<std::ptrdiff_t>(lib_kept.size()));
+      REQUIRE(lib_kept.size() <= ref_kept.size());
+      ref_kept.resize(lib_kept.size());
       const auto sc = kvtest::compare_kept_candidates(lib_kept, ref_kept, want, c0, c1, tol<T>::rtol, tol<T>::atol);
       CHECK_MESSAGE(sc.ok, sc.why);
     }
