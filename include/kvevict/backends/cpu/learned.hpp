@@ -59,7 +59,9 @@ inline budgets_attention::params budgets_attention_params(const io::lkv_artifact
 /// Learned utilities of the first `length` tokens of one KV head, without an evictor (e.g. to
 /// store them beside the cache for decoding "mode B"). keys/values: (length, head_dim) fp32,
 /// row stride `row_stride` elements. out: length floats. Errors as learned_mlp::check /
-/// check_layer (layer must be a valid table row; kv_head < kv_heads).
+/// check_layer (layer must be a valid table row; kv_head < kv_heads). out[n] is bit-identical to
+/// learned_mlp::utility of token n (learned_mlp::score_rows: blocks of 8 tokens vectorised
+/// across tokens, same fp64 operations in the same order; no allocation).
 inline status score_tokens(const scorers::learned_mlp::params& p, int layer, std::int64_t kv_head, const float* keys,
                            const float* values, std::int64_t length, std::int64_t row_stride, float* out) {
   KVEVICT_TRY(scorers::learned_mlp::check(p));
@@ -75,8 +77,7 @@ inline status score_tokens(const scorers::learned_mlp::params& p, int layer, std
     return status::error(errc::invalid_argument, "length = %lld must be >= 0 and row_stride = %lld >= head_dim = %d",
                          static_cast<long long>(length), static_cast<long long>(row_stride), p.head_dim);
   if (length > 0 && (!keys || !values || !out)) return status::error(errc::null_pointer, "keys, values or out is null");
-  for (std::int64_t n = 0; n < length; ++n)
-    out[n] = scorers::learned_mlp::utility(p, layer, kv_head, keys + n * row_stride, values + n * row_stride);
+  scorers::learned_mlp::score_rows(p, layer, kv_head, keys, values, length, row_stride, out);
   return {};
 }
 
