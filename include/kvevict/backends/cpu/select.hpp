@@ -23,22 +23,47 @@ inline bool score_before(float sa, std::int32_t a, float sb, std::int32_t b) {
   return a < b;
 }
 
+/// The part of a head's selection that does not depend on scores, shared by select_head and
+/// select_head_two_stage: a head of length L = h.length keeping `budget` slots (protected ones
+/// included) keeps all L slots when it is passed through or budget >= L; otherwise it keeps its
+/// h.sinks first slots and h.recent last slots, and k of the candidates [c0, c1) in between.
+struct candidate_range {
+  std::int64_t c0 = 0, c1 = 0;  ///< candidate slots [c0, c1) = [h.sinks, L - h.recent)
+  std::int64_t k = 0;           ///< candidates to keep: budget - h.protected_count(), clamped to [0, c1 - c0]
+  std::int64_t n = 0;           ///< slots already written to out: L when whole, else c0 (the sinks)
+  bool whole = false;           ///< pass-through or budget >= L: out[0, L) = 0..L-1, nothing left to select
+};
+
+/// Start a head's selection (plan h, `budget`): writes the whole head (0..L-1) when it is kept
+/// whole, else the sinks 0..c0-1, to out (room for L int32), and returns the candidate range.
+/// The caller then appends its k chosen candidates ascending and the recent slots [c1, L).
+inline candidate_range begin_head_selection(const kvevict::detail::head_plan& h, std::int64_t budget,
+                                            std::int32_t* out) {
+  candidate_range r;
+  const std::int64_t L = h.length;
+  if (h.pass_through || budget >= L) {
+    for (std::int64_t i = 0; i < L; ++i) out[i] = static_cast<std::int32_t>(i);
+    r.n = L;
+    r.whole = true;
+    return r;
+  }
+  r.c0 = h.sinks;
+  r.c1 = L - h.recent;
+  r.k = std::min(std::max<std::int64_t>(budget - h.protected_count(), 0), r.c1 - r.c0);
+  for (std::int64_t i = 0; i < r.c0; ++i) out[i] = static_cast<std::int32_t>(i);
+  r.n = r.c0;
+  return r;
+}
+
 /// Keep `budget` tokens of a head of length L (plan h) by the rule of selectors::topk; write the
 /// kept slots ascending to out. Returns the count written. scores may be null (no scorer):
 /// then only protected tokens can be kept (the budget equals them by construction).
 inline std::int64_t select_head(const kvevict::detail::head_plan& h, std::int64_t budget, const float* scores,
                                 std::int32_t* out, std::int32_t* idx_scratch) {
-  const std::int64_t L = h.length;
-  if (h.pass_through || budget >= L) {
-    for (std::int64_t i = 0; i < L; ++i) out[i] = static_cast<std::int32_t>(i);
-    return L;
-  }
-  const std::int64_t c0 = h.sinks, c1 = L - h.recent;  // candidates [c0, c1)
-  std::int64_t k = budget - h.protected_count();
-  if (k < 0) k = 0;
-  if (k > c1 - c0) k = c1 - c0;
-  std::int64_t n = 0;
-  for (std::int64_t i = 0; i < c0; ++i) out[n++] = static_cast<std::int32_t>(i);
+  const candidate_range r = begin_head_selection(h, budget, out);
+  if (r.whole) return r.n;
+  const std::int64_t L = h.length, c0 = r.c0, c1 = r.c1, k = r.k;
+  std::int64_t n = r.n;
   if (k > 0) {
     if (!scores) {  // no scores: keep the most recent candidates
       for (std::int64_t i = c1 - k; i < c1; ++i) out[n++] = static_cast<std::int32_t>(i);
@@ -66,17 +91,10 @@ inline std::int64_t select_head(const kvevict::detail::head_plan& h, std::int64_
 inline std::int64_t select_head_two_stage(const kvevict::detail::head_plan& h, std::int64_t budget, const float* a,
                                           const float* u, const selectors::two_stage::params& p, std::int32_t* out,
                                           std::int32_t* idx_scratch, float* comb_scratch) {
-  const std::int64_t L = h.length;
-  if (h.pass_through || budget >= L) {
-    for (std::int64_t i = 0; i < L; ++i) out[i] = static_cast<std::int32_t>(i);
-    return L;
-  }
-  const std::int64_t c0 = h.sinks, c1 = L - h.recent;  // candidates [c0, c1)
-  std::int64_t k = budget - h.protected_count();
-  if (k < 0) k = 0;
-  if (k > c1 - c0) k = c1 - c0;
-  std::int64_t n = 0;
-  for (std::int64_t i = 0; i < c0; ++i) out[n++] = static_cast<std::int32_t>(i);
+  const candidate_range r = begin_head_selection(h, budget, out);
+  if (r.whole) return r.n;
+  const std::int64_t L = h.length, c0 = r.c0, c1 = r.c1, k = r.k;
+  std::int64_t n = r.n;
   if (k > 0) {
     const std::int64_t m = c1 - c0;
     for (std::int64_t i = 0; i < m; ++i) idx_scratch[i] = static_cast<std::int32_t>(c0 + i);
