@@ -570,8 +570,13 @@ struct learned_mlp {
   static constexpr std::int64_t tok_block = 8;
 #if defined(__AVX__)
   static constexpr std::int64_t hid_block = 4;
+  static constexpr std::int64_t min_block_tokens = 1;
 #else
   static constexpr std::int64_t hid_block = 2;
+  /// A last block of fewer tokens is scored by utility_fp64 token by token (same bits): without
+  /// AVX a padded block of 8 costs about two scalar tokens (lkv::score_tokens of ONE appended
+  /// token per decoding step must not get slower).
+  static constexpr std::int64_t min_block_tokens = 2;
 #endif
   /// Largest input width 2 * head_dim that score_rows processes blockwise; its stack scratch is
   /// max_block_inputs x (tok_block + hid_block) doubles (48 KiB with AVX). Wider inputs
@@ -588,7 +593,8 @@ struct learned_mlp {
   ///
   /// How it stays bit-identical: a block of tok_block tokens is staged input-major as fp64
   /// (xt[i][t] = x_t[i], an exact widening; a last, partial block is padded with zero tokens
-  /// whose scores are discarded), and hid_block rows of W1 are widened to fp64 per such block.
+  /// whose scores are discarded, or, below min_block_tokens tokens, scored by utility_fp64),
+  /// and hid_block rows of W1 are widened to fp64 per such block.
   /// For those hidden units j, every accumulator a[j][t] starts at b1_j and adds W1[j][i] *
   /// xt[i][t] for i = 0..2d-1 in the same order as utility(); the loop that is vectorised runs
   /// across tokens t, never across i. Each product of two fp32 values is exact in fp64 (48
@@ -651,6 +657,11 @@ struct learned_mlp {
     double u[T];
     for (std::int64_t n0 = 0; n0 < length; n0 += T) {
       const std::int64_t nt = length - n0 < T ? length - n0 : T;
+      if (nt < min_block_tokens) {  // a lone last token: the scalar loop is cheaper than a padded block
+        for (std::int64_t n = n0; n < length; ++n)
+          store(out + n, utility_fp64(p, layer, kv_head, keys + n * row_stride, values + n * row_stride));
+        break;
+      }
       for (std::int64_t t = 0; t < T; ++t) {
         const float* k = keys + (n0 + t) * row_stride;
         const float* v = values + (n0 + t) * row_stride;
