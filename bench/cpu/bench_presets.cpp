@@ -8,6 +8,8 @@
 //   restkv   lor_flops(L) (+ drift, smoothing, selection: no flops counted)
 //   snapkv / adakv   window attention 2 * 32 w L d + 2 * 32 w L
 //   lkv      lkv::full with a synthetic 32-layer table: the MLP, kv_heads * L * (4 * hidden * d + 4 * hidden)
+//   lkv_scorer_scalar / lkv_scorer_blocked: that MLP alone on one layer, utility() per token vs
+//            learned_mlp::score_rows (one thread; same flops)
 //   h2o      the whole prompt as window (W = L): 2 * 32 L^2 d + 2 * 32 L^2, i.e. what the
 //            blocked CPU scorer computes (each 32-row block computes all L logits, the causal
 //            upper triangle is masked after the product). O(L^2): measured at 1k and 4k only.
@@ -128,7 +130,37 @@ void BM_lkv(benchmark::State& st) {
   run_preset<kvevict::lkv::full, T>(st, kb::kWindow, flops, table.params(), lkv_table::layers);
 }
 
+/// The LKV-T scorer alone on one layer's 8 KV heads (f32 K/V, the calling thread only, the
+/// lkv_table MLPs of layer 0): lkv_scorer_scalar calls learned_mlp::utility token by token (the
+/// definition; the CPU path until 2026-11-29), lkv_scorer_blocked calls learned_mlp::score_rows
+/// (what score_kv_head and lkv::score_tokens run; bit-identical scores). Same flops as preset_lkv.
+template <bool Blocked>
+void BM_lkv_scorer(benchmark::State& st) {
+  static const lkv_table table;
+  const std::int64_t L = st.range(0), d = kb::kHeadDim;
+  const auto& data = kb::get_layer<float>(L, kb::kWindow);
+  const kvevict::scorers::learned_mlp::params p = table.params().scorer;
+  std::vector<float> out(static_cast<std::size_t>(kb::kKvHeads * L));
+  for (auto _ : st) {
+    for (std::int64_t h = 0; h < kb::kKvHeads; ++h) {
+      const float* k = data.k.data() + h * L * d;
+      const float* v = data.v.data() + h * L * d;
+      float* o = out.data() + h * L;
+      if (Blocked) {
+        kvevict::scorers::learned_mlp::score_rows(p, 0, h, k, v, L, d, o);
+      } else {
+        for (std::int64_t n = 0; n < L; ++n) o[n] = kvevict::scorers::learned_mlp::utility(p, 0, h, k + n * d, v + n * d);
+      }
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double flops = kb::D(kb::kKvHeads * L) * (2.0 * lkv_table::hidden * 2.0 * kb::kHeadDim + 4.0 * lkv_table::hidden);
+  kb::set_cost(st, kb::D(L), kb::D(2 * kb::kKvHeads * L * d * 4 + kb::kKvHeads * L * 4), flops);
+}
+
 int iters_preset(std::int64_t L) { return L >= 32768 ? 3 : 0; }
+int iters_once(std::int64_t) { return 1; }
 int iters_h2o(std::int64_t L) { return L >= 4096 ? 1 : 0; }
 
 struct registrar {
@@ -141,6 +173,8 @@ struct registrar {
     kb::register_seq("preset_adakv/bf16", BM_adakv<bfloat16_t>, kb::kSeqLens, iters_preset);
     kb::register_seq("preset_lkv/f32", BM_lkv<float>, kb::kSeqLens, iters_preset);
     kb::register_seq("preset_lkv/bf16", BM_lkv<bfloat16_t>, kb::kSeqLens, iters_preset);
+    kb::register_seq("lkv_scorer_scalar/f32", BM_lkv_scorer<false>, {4096}, iters_once);
+    kb::register_seq("lkv_scorer_blocked/f32", BM_lkv_scorer<true>, {4096, 32768}, nullptr);
     kb::register_seq("preset_h2o/f32", BM_h2o<float>, {1024, 4096}, iters_h2o);
     kb::register_seq("preset_h2o/bf16", BM_h2o<bfloat16_t>, {1024, 4096}, iters_h2o);
   }
