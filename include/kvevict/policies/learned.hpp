@@ -464,7 +464,8 @@ namespace scorers {
 /// For token i of KV head h in layer l, x = [k_i ; v_i] (2 * head_dim, keys as stored, RoPE
 /// applied) and
 ///   u_i = w2 . act(W1 x + b1) + b2,   W1 (hidden, 2 * head_dim), b1, w2 (hidden), b2 scalar,
-/// accumulated in fp64, stored as fp32. Higher u = keep. A token's score never changes, so it
+/// accumulated in fp64, stored as fp32 (utility() is the definition; the CPU scores blocks of
+/// tokens with score_rows, vectorised across tokens and bit-identical). Higher u = keep. A token's score never changes, so it
 /// can be stored beside the cache. Use it with selectors::topk num_recent = 0 (no window).
 ///
 /// params (non-owning pointers into the artifact):
