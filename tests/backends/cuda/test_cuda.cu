@@ -395,6 +395,19 @@ void run_grid(compare_stats& cs) {
       {
         using P = kv::presets::adakv;
         compare<P>("adakv", c, P::defaults(), tok, cs);
+        // nothing protected, about 1 token per head: the floor that keeps every head non-empty
+        auto p0 = P::defaults();
+        p0.selector.num_recent = 0;
+        compare<P>("adakv floor", c, p0, kv::budget_request::tokens(1), cs);
+      }
+      {
+        using P = kv::presets::pyramidkv;  // nothing protected: min raised to 1 in the last layer
+        auto cl = c;
+        cl.layer_idx = 7;
+        cl.num_layers = 8;
+        auto p = P::defaults();
+        p.selector.num_recent = 0;
+        compare<P>("pyramidkv floor", cl, p, kv::budget_request::tokens(2), cs);
       }
       if (S <= 4097) {
         using P = kv::presets::h2o;
