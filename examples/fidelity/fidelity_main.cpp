@@ -13,9 +13,10 @@
 //      layer-l cache, so the error is that layer's eviction alone; also after W_O and "propagated"),
 //      bytes of fp32 K+V kept.
 // Prints a table, writes fidelity.csv (means over prompts) and fidelity_per_prompt.csv to --out.
-// --smoke: 1 prompt, fractions 0.2 and 0.5, 8 steps. Exit status 1 when the table is incomplete, a
-// figure is not finite or the measurement self-check fails; 0 with a message when the model or text
-// folder is missing under --smoke.
+// --smoke: 1 prompt, fractions 0.2 and 0.5, 8 steps; its files are fidelity_smoke.csv and
+// fidelity_smoke_per_prompt.csv, so a smoke run never overwrites a full report in the same folder.
+// Exit status 1 when the table is incomplete, a figure is not finite or the measurement self-check
+// fails; 0 with a message when the model or text folder is missing under --smoke.
 #include "evict.hpp"
 #include "methods.hpp"
 #include "model_path.hpp"
@@ -63,7 +64,8 @@ int usage(const char* argv0, const std::string& why) {
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
                  "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..] [--ablations] [--chunk N]\n"
                  "  --smoke            1 prompt, fractions 0.2,0.5, 8 steps; checks the table (exit 1 if incomplete\n"
-                 "                     or not finite; exit 0 with a message if the model/text folder is missing)\n"
+                 "                     or not finite; exit 0 with a message if the model/text folder is missing);\n"
+                 "                     writes fidelity_smoke.csv and fidelity_smoke_per_prompt.csv, never the full report's files\n"
                  "  --model DIR        model folder (default $KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K)\n"
                  "  --data DIR         text folder with sherlock.txt (default $KVEVICT_DATA_DIR, else <repo>/../shared/data/text)\n"
                  "  --out DIR          where fidelity.csv and fidelity_per_prompt.csv go (default .)\n"
@@ -430,7 +432,9 @@ int main(int argc, char** argv) {
 
     // aggregate, print, write
     std::filesystem::create_directories(opt.out_dir);
-    const std::string csv_path = opt.out_dir + "/fidelity.csv", pp_path = opt.out_dir + "/fidelity_per_prompt.csv";
+    // A smoke run has file names of its own: it must not replace a full report in the same folder.
+    const std::string stem = opt.out_dir + (opt.smoke ? "/fidelity_smoke" : "/fidelity");
+    const std::string csv_path = stem + ".csv", pp_path = stem + "_per_prompt.csv";
     std::ofstream csv(csv_path), pp(pp_path);
     if (!csv || !pp) { std::fprintf(stderr, "error: cannot write %s\n", csv_path.c_str()); return 1; }
     csv << "method,keep_fraction,prompts,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean";
