@@ -179,6 +179,70 @@ TEST_CASE_TEMPLATE("kind 1: contradictory budgets are clear errors, fractions ne
   }
 }
 
+TEST_CASE_TEMPLATE("kind 1: nothing protected and ~1 token per head never empties a head (head-wise budgeters, every GQA rule)", P,
+                   kvevict::presets::pyramidkv, kvevict::presets::adakv, kvevict::presets::critical_adakv) {
+  // CI's fuzz run found AdaKV giving a head 0 tokens with num_recent = 0 and no sinks; the
+  // budgeters now keep >= 1 token in a head with nothing protected. Ragged lengths (0, 1, 2, 3
+  // and full heads), sinks 0 (floored), 1 and 3 (>= some lengths: protected, not floored),
+  // layers 0..3 of 4, the contract checker on every run, plus the totals the contract cannot see:
+  // AdaKV keeps exactly sum_h B_h per sequence (pass-through: L), PyramidKV sum_l = 4 B per head.
+  CAPTURE(preset_name<P>());
+  constexpr bool is_pyramid = std::is_same<typename P::budgeter, kvevict::budgeters::pyramid>::value;
+  int floored = 0;
+  for_each_storage_type([&](auto tag) {
+    using T = typename decltype(tag)::type;
+    CAPTURE(type_name<T>());
+    for (kvevict::gqa_reduction g : {kvevict::gqa_reduction::mean, kvevict::gqa_reduction::per_query_head, kvevict::gqa_reduction::max})
+      for (std::int32_t sinks : {0, 1, 3}) {
+        shape s;
+        s.B = 3, s.Hkv = 3, s.G = 2, s.S = 20, s.W = 3, s.D = 4;
+        s.lengths = std::vector<std::int32_t>{20, 0, 2, 1, 20, 3, 5, 17, 20};  // move-assigned: no GCC 12 -Wnonnull false positive
+        problem<T> pr;
+        pr.init(s, 900 + static_cast<std::uint64_t>(sinks));
+        auto p = P::defaults();
+        p.selector.num_recent = 0;
+        p.selector.num_sink = sinks;
+        p.gqa = g;
+        kvevict::evictor<P, kvevict::cpu::backend> ev(p);
+        for (const kvevict::budget_request budget : {kvevict::budget_request::tokens(sinks + 1), kvevict::budget_request::tokens(sinks + 2),
+                                                     kvevict::budget_request::fraction(1e-300), kvevict::budget_request::fraction(0.004)}) {
+          CAPTURE(kvevict::to_string(g));
+          CAPTURE(sinks);
+          CAPTURE(budget.keep_tokens);
+          CAPTURE(budget.keep_fraction);
+          const contract c = contract::of<P>(p, s.W, ev.out_heads(pr.in), s.Hkv, budget);
+          std::vector<std::int64_t> over_layers;
+          for (int layer = 0; layer < 4; ++layer) {
+            CAPTURE(layer);
+            pr.in.layer_idx = layer;
+            pr.in.num_layers = 4;
+            const result r = run_checked<P>(pr, budget, p);
+            const std::int64_t H = ev.out_heads(pr.in), Gr = H / s.Hkv;
+            over_layers.resize(static_cast<std::size_t>(r.rows), 0);
+            for (std::int64_t b = 0; b < s.B; ++b) {
+              std::int64_t kept = 0, want = 0;
+              for (std::int64_t h = 0; h < H; ++h) {
+                const std::int64_t row = b * H + h, L = pr.length(b, h / Gr), n = static_cast<std::int64_t>(r.row(row).size());
+                CHECK((L == 0 || n >= 1));
+                floored += sinks == 0 && L > 1 && n == 1;
+                kept += n;
+                want += std::min(L, c.base_budget(L));
+                over_layers[static_cast<std::size_t>(row)] += n;
+              }
+              if (!is_pyramid) CHECK(kept == want);
+            }
+          }
+          if (is_pyramid)
+            for (std::int64_t row = 0; row < static_cast<std::int64_t>(over_layers.size()); ++row) {
+              const std::int64_t H = ev.out_heads(pr.in), L = pr.length(row / H, (row % H) / (H / s.Hkv));
+              CHECK(over_layers[static_cast<std::size_t>(row)] == 4 * std::min(L, c.base_budget(L)));
+            }
+        }
+      }
+  });
+  CHECK(floored > 20);
+}
+
 TEST_CASE_TEMPLATE("kind 1: invalid parameters are clear errors naming the parameter", P, kvevict::presets::restkv) {
   problem<float> pr;
   pr.init(small_shape(30, 6), 7);
