@@ -9,7 +9,8 @@
 #   FUZZ_SEED=0 FUZZ_SECONDS=3600 scripts/ci_fuzz.sh   # exploration: a random seed, 1 hour
 #
 # CI's run is a gate, so it is reproducible: a fixed libFuzzer seed (FUZZ_SEED, default 1) makes
-# the sequence of inputs the same on every machine; a slower machine only stops earlier in it.
+# the sequence of inputs the same for the same binary (same clang and flags); a slower machine
+# only stops earlier in it.
 # Developers run the same seed for longer, and random seeds (FUZZ_SEED=0) to explore; every
 # input found that way becomes a regression seed in tests/fuzz/corpus (make_seeds.py).
 # docs/failure-kinds.md, "Fuzzing".

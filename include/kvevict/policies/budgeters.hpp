@@ -31,7 +31,8 @@ struct uniform {
 /// and C = L - protected candidates: min = P // beta, max = 2P - min; if max >= C then
 /// max = C, min = 2P - max; layer l keeps max - l * (max - min) / (n_layers - 1) candidates
 /// plus its protected tokens. A head with no protected token keeps at least 1 candidate in every
-/// layer (min is raised to 1 before max is derived, so the layers still sum to n_layers * P):
+/// layer (min is raised to 1 before max is derived, so with exact_total the layers still sum to
+/// n_layers * P):
 /// PyramidKV's min = P // beta is 0 for P < beta, which would empty the deepest layers' heads.
 ///  - exact_total (default): the real-valued schedule, rounded by largest remainder over the
 ///    layers so that the n_layers budgets sum to exactly n_layers * P (the average is B);
