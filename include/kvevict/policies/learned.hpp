@@ -664,8 +664,8 @@ struct learned_mlp {
         break;
       }
       for (std::int64_t t = 0; t < T; ++t) {
-        const float* k = keys + (n0 + t) * row_stride;
-        const float* v = values + (n0 + t) * row_stride;
+        const float* k = t < nt ? keys + (n0 + t) * row_stride : nullptr;  // padding: no row
+        const float* v = t < nt ? values + (n0 + t) * row_stride : nullptr;
         for (std::int64_t i = 0; i < in; ++i) {
           const double x = t >= nt ? 0.0 : static_cast<double>(i < d ? k[i] : v[i - d]);
 #if KVEVICT_LKV_VECTOR_EXT
