@@ -363,11 +363,11 @@ TEST_CASE("learned policies: parameter and shape errors name the parameter") {
   }
   {  // num_tokens so large that N * t is no longer exact in fp64 (or overflows int64)
     auto bp = p.budgeter;
-    for (std::int64_t t : {std::int64_t{1} << 62, (std::int64_t{1} << 53) / 4 + 1}) {
-      bp.num_tokens = t;
+    for (std::int64_t nt : {std::int64_t{1} << 62, (std::int64_t{1} << 53) / 4 + 1}) {
+      bp.num_tokens = nt;
       const auto s = kvevict::budgeters::headwise_learned::check(bp);
       CHECK(s.code() == kvevict::errc::invalid_argument);
-      CHECK(std::string(s.message()).find("num_tokens = " + std::to_string(t)) != std::string::npos);
+      CHECK(std::string(s.message()).find("num_tokens = " + std::to_string(nt)) != std::string::npos);
     }
     bp.num_tokens = (std::int64_t{1} << 53) / 4;  // N = 2 layers x 2 KV heads: the largest exact t
     CHECK(kvevict::budgeters::headwise_learned::check(bp).ok());
