@@ -33,6 +33,10 @@
 
 namespace {
 
+/// memcmp of n bytes that allows n == 0 with empty vectors (memcmp's pointers must not be null,
+/// even for 0 bytes; UBSan reports it).
+bool same_bytes(const void* a, const void* b, std::size_t n) { return n == 0 || std::memcmp(a, b, n) == 0; }
+
 using mlp = kvevict::scorers::learned_mlp;
 
 // splitmix64: a private, platform-independent generator.
@@ -151,7 +155,7 @@ TEST_CASE("learned_mlp::score_rows / score_kv_head / lkv::score_tokens == utilit
 
           // fp64 u first: the fp32 rounding would hide most differences of order or contraction
           mlp::score_rows_fp64(p, layer, head, K.data(), V.data(), len, stride, rows64.data());
-          CHECK(std::memcmp(rows64.data(), want64.data(), want64.size() * sizeof(double)) == 0);
+          CHECK(same_bytes(rows64.data(), want64.data(), want64.size() * sizeof(double)));
           CHECK(rows64[static_cast<std::size_t>(len)] == -7.0);
           std::int64_t diff64 = 0;
           for (std::int64_t n = 0; n < len; ++n)
@@ -162,11 +166,11 @@ TEST_CASE("learned_mlp::score_rows / score_kv_head / lkv::score_tokens == utilit
               CHECK(want[static_cast<std::size_t>(n)] == static_cast<float>(want64[static_cast<std::size_t>(n)]));
 
           mlp::score_rows(p, layer, head, K.data(), V.data(), len, stride, rows.data());
-          CHECK(std::memcmp(rows.data(), want.data(), want.size() * sizeof(float)) == 0);
+          CHECK(same_bytes(rows.data(), want.data(), want.size() * sizeof(float)));
           CHECK(rows[static_cast<std::size_t>(len)] == -7.0f);  // nothing written past length
           for (std::int64_t n = 0; n < len; ++n) {
             INFO("token ", n);
-            CHECK(std::memcmp(&rows[static_cast<std::size_t>(n)], &want[static_cast<std::size_t>(n)], sizeof(float)) == 0);
+            CHECK(same_bytes(&rows[static_cast<std::size_t>(n)], &want[static_cast<std::size_t>(n)], sizeof(float)));
             if (n >= 40) break;  // the per-token report only for the first tokens (the memcmp above covers all)
           }
 
@@ -186,7 +190,7 @@ TEST_CASE("learned_mlp::score_rows / score_kv_head / lkv::score_tokens == utilit
           mh.values = Vc.data();
           std::vector<float> hook(want.size());
           mlp::score_kv_head(p, mh, hook.data());
-          CHECK(std::memcmp(hook.data(), want.data(), want.size() * sizeof(float)) == 0);
+          CHECK(same_bytes(hook.data(), want.data(), want.size() * sizeof(float)));
 #if KVEVICT_TEST_WITH_CPU_BACKEND
           kvevict::cpu::head_inputs hi;
           hi.kv_head = head;
@@ -199,10 +203,10 @@ TEST_CASE("learned_mlp::score_rows / score_kv_head / lkv::score_tokens == utilit
           pl.layer = layer;
           std::vector<float> hook2(want.size(), 5.0f);
           mlp::score_kv_head(pl, hi, hook2.data());
-          CHECK(std::memcmp(hook2.data(), want.data(), want.size() * sizeof(float)) == 0);
+          CHECK(same_bytes(hook2.data(), want.data(), want.size() * sizeof(float)));
           std::vector<float> tok(want.size(), 5.0f);
           REQUIRE(kvevict::lkv::score_tokens(p, layer, head, K.data(), V.data(), len, stride, tok.data()).ok());
-          CHECK(std::memcmp(tok.data(), want.data(), want.size() * sizeof(float)) == 0);
+          CHECK(same_bytes(tok.data(), want.data(), want.size() * sizeof(float)));
 #endif
           // non-vacuous: the ordinary tokens' scores differ (the utility depends on the token)
           if (len >= 5) {
