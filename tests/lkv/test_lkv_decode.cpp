@@ -9,6 +9,7 @@
 
 #include "lkv_decode.hpp"
 #include "model_path.hpp"
+#include "lkv_prng.hpp"
 #include "tokenizer.hpp"
 
 #include <algorithm>
@@ -20,17 +21,8 @@
 
 namespace {
 
-struct prng {
-  std::uint64_t s;
-  explicit prng(std::uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 11) {}
-  std::uint64_t next() {
-    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0); }
-  float sym(double a) { return static_cast<float>((2.0 * uniform() - 1.0) * a); }
+struct prng : lkv_test::prng {  // salt 11: this file's sequences
+  explicit prng(std::uint64_t seed) : lkv_test::prng(seed, 11) {}
 };
 
 // Naive LKV-H budgets (fp64, plain loops): softmax, clip-and-redistribute until nothing exceeds t,

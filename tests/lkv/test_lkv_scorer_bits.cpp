@@ -24,6 +24,8 @@
 #include <kvevict/policies/learned.hpp>
 #endif
 
+#include "lkv_prng.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,19 +41,7 @@ bool same_bytes(const void* a, const void* b, std::size_t n) { return n == 0 || 
 
 using mlp = kvevict::scorers::learned_mlp;
 
-// splitmix64: a private, platform-independent generator.
-struct prng {
-  std::uint64_t s;
-  explicit prng(std::uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 7) {}
-  std::uint64_t next() {
-    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0); }
-  float sym(double a) { return static_cast<float>((2.0 * uniform() - 1.0) * a); }
-};
+using lkv_test::prng;
 
 // The same fields as cpu::head_inputs that score_kv_head reads (the policies header is
 // backend-free; the CPU build also checks the real type).
