@@ -57,16 +57,11 @@ void BM_window_attention(benchmark::State& st) {
       auto& s = stage.scratch[static_cast<std::size_t>(tid)];
       const T* kbase = in.keys.data + h * in.keys.stride[1];
       kc::detail::cmap_rm K = kc::detail::stage_rows(kbase, L, d, in.keys.stride[2], in.keys.stride[3], s.kbuf);
-      for (std::int64_t g = 0; g < G; ++g) {
-        const T* qbase = in.queries.data + (h * G + g) * in.queries.stride[1];
-        kc::detail::cmap_rm Q = kc::detail::stage_rows(qbase, w, d, in.queries.stride[2], in.queries.stride[3], s.qbuf);
-        for (std::int64_t j0 = 0; j0 < w; j0 += kc::detail::attention_row_block) {
-          const std::int64_t rb = std::min(kc::detail::attention_row_block, w - j0);
-          kc::detail::row_stats rs{s.st_max + j0, s.st_zo + j0, s.st_arg + j0};
-          kc::detail::attention_block(kc::detail::cmap_rm(Q.data() + j0 * Q.outerStride(), rb, d,
-                                                          Eigen::OuterStride<>(Q.outerStride())),
-                                      K, L, w, j0, scale, s.logits, s.probs, rs);
-        }
+      // As score_kv_head: the group's G x w window rows staged (fp32), one block per 32 rows.
+      for (std::int64_t j0 = 0; j0 < w; j0 += kc::detail::attention_row_block) {
+        const std::int64_t rb = std::min(kc::detail::attention_row_block, w - j0);
+        kc::detail::attention_block(kc::detail::stage_group_queries(in, 0, h, G, w, j0, rb, s.qbuf), K, L, w, j0, rb, scale,
+                                    s.logits, s.probs, kc::detail::row_stats{s.st_max, s.st_zo, s.st_arg});
       }
       benchmark::DoNotOptimize(s.probs);
     });

@@ -86,6 +86,8 @@ inline cmap_rm stage_rows(const T* base, std::int64_t rows, std::int64_t cols, s
 
 /// Largest |x| over a staged matrix (finite inputs).
 inline float max_abs(const cmap_rm& m) {
+  if (m.outerStride() == m.cols())  // contiguous: one flat vectorised reduction
+    return m.size() > 0 ? Eigen::Map<const Eigen::ArrayXf>(m.data(), m.size()).abs().maxCoeff() : 0.0f;
   float mx = 0.0f;
   for (Eigen::Index r = 0; r < m.rows(); ++r) mx = std::max(mx, m.row(r).cwiseAbs().maxCoeff());
   return mx;

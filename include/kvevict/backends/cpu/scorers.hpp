@@ -63,6 +63,28 @@ inline double sq_dist_fp64(const float* a, const float* b, std::int64_t d) {
   return s;
 }
 
+/// ||a - b||^2 of two d-vectors in fp32: differences and squares summed in 16 independent lanes
+/// (a loop the compiler vectorises: one zmm, two ymm or four xmm registers), then a pairwise
+/// sum of the lanes. Relative error ~1e-6; the caller falls back to sq_dist_fp64 where the sum
+/// overflowed or underflowed.
+inline float sq_dist_f32(const float* a, const float* b, std::int64_t d) {
+  constexpr std::int64_t lanes = 16;
+  float acc[lanes] = {};
+  std::int64_t c = 0;
+  for (; c + lanes <= d; c += lanes)
+    for (std::int64_t l = 0; l < lanes; ++l) {
+      const float e = a[c + l] - b[c + l];
+      acc[l] += e * e;
+    }
+  for (std::int64_t l = 0; c < d; ++c, ++l) {
+    const float e = a[c] - b[c];
+    acc[l] += e * e;
+  }
+  for (std::int64_t half = lanes / 2; half > 0; half /= 2)
+    for (std::int64_t l = 0; l < half; ++l) acc[l] += acc[l + half];
+  return acc[0];
+}
+
 /// Whether Scorer's per-thread scratch must hold the value projections of every token
 /// (head_scratch::carve full_y): only the reconstruction scorer's "before" mode does; its "after"
 /// mode works in tiles of lor_token_tile tokens and the other scorers do not use them.
@@ -84,16 +106,14 @@ struct head_scratch {
   float* adom = nullptr;   // G     ("after" mode: a_bar of each head's dominant token)
   std::int64_t* dom = nullptr;  // G
   float* qbuf = nullptr;   // G * w x d (staged queries)
-  float* logits = nullptr; // rb x cap
-  float* probs = nullptr;  // rb x cap
-  float* cross = nullptr;  // rb x cap  (before mode)
-  float* abar = nullptr;   // cap
-  float* acc = nullptr;    // cap
+  float* logits = nullptr; // G rb x cap (a block of window rows of the whole GQA group)
+  float* probs = nullptr;  // G rb x cap
+  float* cross = nullptr;  // rb x cap  ("before" mode only: one head's cross products)
   float* rowtmp = nullptr; // cap
-  std::int32_t* idx = nullptr;  // cap
-  float* st_max = nullptr;      // w
-  double* st_zo = nullptr;      // w
-  std::int32_t* st_arg = nullptr;  // w
+  float* st_max = nullptr;      // G rb (row statistics of one block, attention_block)
+  double* st_zo = nullptr;      // G rb
+  std::int32_t* st_arg = nullptr;  // G rb
+  double* dsum = nullptr;       // 2 G (adaptive-window drift: front and rear sums per head)
   float* st_c = nullptr;        // w (temporal weights)
   float* wbuf = nullptr;        // C x d   (W_O^h staged, attention_value_norm only)
   float* pbuf = nullptr;        // value_norm_token_block x C (projected values of a token block)
@@ -102,7 +122,8 @@ struct head_scratch {
   /// scorer's "before" mode); otherwise one tile of lor_token_tile tokens.
   template <class Carver>
   void carve(Carver& c, std::int64_t cap, std::int64_t w, std::int64_t d, std::int64_t G, bool full_y = true) {
-    const std::int64_t rb = attention_row_block;
+    // Rows of one window block: attention_row_block, or the whole window when it is smaller.
+    const std::int64_t rb = std::min(attention_row_block, std::max<std::int64_t>(w, 1));
     const std::size_t n = static_cast<std::size_t>(cap);
     const std::size_t g1 = static_cast<std::size_t>(std::max<std::int64_t>(G, 1));
     kbuf = c.template carve<float>(n * d);
@@ -112,17 +133,16 @@ struct head_scratch {
     adom = c.template carve<float>(g1);
     dom = c.template carve<std::int64_t>(g1);
     qbuf = c.template carve<float>(static_cast<std::size_t>(G * std::max<std::int64_t>(w, 1) * d));
-    logits = c.template carve<float>(rb * n);
-    probs = c.template carve<float>(rb * n);
-    cross = c.template carve<float>(rb * n);
-    abar = c.template carve<float>(n);
-    acc = c.template carve<float>(n);
+    logits = c.template carve<float>(g1 * rb * n);
+    probs = c.template carve<float>(g1 * rb * n);
+    cross = c.template carve<float>(full_y ? rb * n : 0);  // "before" mode only
     rowtmp = c.template carve<float>(n);
-    idx = c.template carve<std::int32_t>(n);
     const std::size_t ws = static_cast<std::size_t>(std::max<std::int64_t>(w, 1));
-    st_max = c.template carve<float>(ws);
-    st_zo = c.template carve<double>(ws);
-    st_arg = c.template carve<std::int32_t>(ws);
+    const std::size_t sb = g1 * static_cast<std::size_t>(rb);
+    st_max = c.template carve<float>(sb);
+    st_zo = c.template carve<double>(sb);
+    st_arg = c.template carve<std::int32_t>(sb);
+    dsum = c.template carve<double>(2 * g1);
     st_c = c.template carve<float>(ws);
   }
 
@@ -189,6 +209,23 @@ inline void value_l1_norms(const layer_inputs<T>& in, std::int64_t hq, const cma
       u[n0 + t] = saturate(acc * back);
     }
   }
+}
+
+/// Window rows [j0, j0 + rb) of the effective window (its last w rows) of the G query heads of
+/// KV head h in sequence b, widened to fp32 into dst: (G rb) x d row-major, head after head (row
+/// g rb + r = head h G + g, window row j0 + r), the layout attention_block takes. Any strides.
+template <class T>
+inline cmap_rm stage_group_queries(const layer_inputs<T>& in, std::int64_t b, std::int64_t h, std::int64_t G, std::int64_t w,
+                                   std::int64_t j0, std::int64_t rb, float* dst) {
+  const std::int64_t d = in.head_dim();
+  for (std::int64_t g = 0; g < G; ++g) {
+    const T* qb = in.queries.data + b * in.queries.stride[0] + (h * G + g) * in.queries.stride[1] +
+                  (in.window() - w + j0) * in.queries.stride[2];
+    for (std::int64_t r = 0; r < rb; ++r)
+      for (std::int64_t c = 0; c < d; ++c)
+        dst[(g * rb + r) * d + c] = to_float(qb[r * in.queries.stride[2] + c * in.queries.stride[3]]);
+  }
+  return cmap_rm(dst, G * rb, d, Eigen::OuterStride<>(d));
 }
 
 /// Everything the scorer of one KV head needs.
@@ -354,63 +391,49 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
       }
     }
 
-    for (std::int64_t g = 0; g < G; ++g) {
-      const std::int64_t hq = h * G + g;
-      float* out = rows + g * L;
-      // Stage this query head's window rows.
-      const T* qbase = in.queries.data + b * in.queries.stride[0] + hq * in.queries.stride[1] +
-                       (in.window() - w) * in.queries.stride[2];
-      cmap_rm Q = stage_rows(qbase, w, d, in.queries.stride[2], in.queries.stride[3], s.qbuf);
-      vec_map abar(s.abar, L);
-      abar.setZero();
-      double d_front = 0.0, d_rear = 0.0;
-      std::int64_t n_front = 0, n_rear = 0;
-      const bool want_drift = job.drift_topk > 0;
+    // The window attention runs for the whole GQA group at once, block of window rows by
+    // block: one (G rb x d)(d x L) product per block, so K is packed once, not G times. The
+    // per-head accumulators live in the output rows out_g = rows + g L: the temporal aggregate
+    // a_bar, or in "before" mode the sum of the rows' scores.
+    std::fill(rows, rows + G * L, 0.0f);
+    const bool want_drift = job.drift_topk > 0;
+    const bool before = before_mode;
+    const bool use_r = [&] {
+      if constexpr (is_lor) return P.scorer.use_wo;
+      return false;
+    }();
+    std::fill(s.dsum, s.dsum + 2 * G, 0.0);  // per head: drift sums of the front and rear rows
+    std::int64_t n_front = 0, n_rear = 0;   // rows in each half (the same for every head)
 
-      // W_O factor of this query head (identity in value space).
-      const bool use_r = [&] {
-        if constexpr (is_lor) return P.scorer.use_wo;
-        return false;
-      }();
-      Eigen::MatrixXf R;  // d x d, small
-      if (use_r) {
-        R.resize(d, d);
-        for (std::int64_t r = 0; r < d; ++r)
-          for (std::int64_t c = 0; c < d; ++c) R(r, c) = in.wo_factor(hq, r, c);
-      }
-      cmap_rm Y(y_base + (use_r ? g * d : 0), before_mode ? L : 0, d, Eigen::OuterStride<>(y_stride));
-      const bool before = before_mode;
-      Eigen::VectorXf ynorm2;
-      if (before) ynorm2 = Y.rowwise().squaredNorm();
-      vec_map acc(s.acc, L);
-      if (before) acc.setZero();
+    for (std::int64_t j0 = row_begin; j0 < w; j0 += attention_row_block) {
+      const std::int64_t rb = std::min(attention_row_block, w - j0);
+      attention_block(stage_group_queries(in, b, h, G, w, j0, rb, s.qbuf), K, L, w, j0, rb, scale, s.logits, s.probs,
+                      row_stats{s.st_max, s.st_zo, s.st_arg});
+      if (want_drift)
+        for (std::int64_t r = 0; r < rb; ++r) ++(j0 + r < w / 2 ? n_front : n_rear);
+      Eigen::Map<const Eigen::VectorXf> cb(s.st_c + j0, rb);
 
-      for (std::int64_t j0 = row_begin; j0 < w; j0 += attention_row_block) {
-        const std::int64_t rb = std::min(attention_row_block, w - j0);
-        row_stats st{s.st_max + j0, s.st_zo + j0, s.st_arg + j0};
-        attention_block(cmap_rm(Q.data() + j0 * Q.outerStride(), rb, d, Eigen::OuterStride<>(Q.outerStride())), K, L, w,
-                        j0, scale, s.logits, s.probs, st);
-        cmap_rm Pb(s.probs, rb, L, Eigen::OuterStride<>(L));
-        Eigen::Map<const Eigen::VectorXf> cb(s.st_c + j0, rb);
-        if (!before) abar.noalias() += Pb.transpose() * cb;
+      for (std::int64_t g = 0; g < G; ++g) {
+        float* out = rows + g * L;
+        const float* pg = s.probs + g * rb * L;   // head g's rows of the block
+        const float* lgg = s.logits + g * rb * L;
+        const row_stats st{s.st_max + g * rb, s.st_zo + g * rb, s.st_arg + g * rb};
+        cmap_rm Pb(pg, rb, L, Eigen::OuterStride<>(L));
+        if (!before) vec_map(out, L).noalias() += Pb.transpose() * cb;
         if (want_drift) {
           for (std::int64_t r = 0; r < rb; ++r) {
             const std::int64_t j = j0 + r;
-            const double mi = topk_mean_index(s.probs + r * L, L - w + j + 1, job.drift_topk, s.rowtmp);
-            if (j < w / 2) {
-              d_front += mi;
-              ++n_front;
-            } else {
-              d_rear += mi;
-              ++n_rear;
-            }
+            s.dsum[2 * g + (j < w / 2 ? 0 : 1)] += topk_mean_index(pg + r * L, L - w + j + 1, job.drift_topk, s.rowtmp);
           }
         }
         if constexpr (is_lor) {
           if (before) {
-            // z_j = A_j V, RZ_j = R z_j; dist^2 = |RZ_j|^2 - 2 RZ_j . Y_n + |Y_n|^2
+            // z_j = A_j V, RZ_j = R z_j; dist^2 = |RZ_j|^2 - 2 RZ_j . Y_n + |Y_n|^2, Y = V R^T
+            // (columns [g d, g d + d) of the group's projections; V itself in value space).
+            cmap_rm Y(y_base + (use_r ? g * d : 0), L, d, Eigen::OuterStride<>(y_stride));
+            const Eigen::VectorXf ynorm2 = Y.rowwise().squaredNorm();
             mat_rm Zb = Pb * V;
-            mat_rm RZ = use_r ? mat_rm(Zb * R.transpose()) : Zb;
+            mat_rm RZ = use_r ? mat_rm(Zb * rcat.middleRows(g * d, d).transpose()) : Zb;
             map_rm cross(s.cross, rb, L, Eigen::OuterStride<>(L));
             cross.noalias() = RZ * Y.transpose();
             for (std::int64_t r = 0; r < rb; ++r) {
@@ -419,14 +442,14 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
               const double rz2 = static_cast<double>(RZ.row(r).squaredNorm());
               const float c = s.st_c[j];
               if (c == 0.0f) continue;
-              const float* pr = s.probs + r * L;
+              const float* pr = pg + r * L;
               const float* cr = s.cross + r * L;
               const std::int32_t am = st.arg[r];
               for (std::int64_t n = 0; n < vis; ++n) {
                 if (n == am || pr[n] == 0.0f) continue;
                 const double d2 = std::max(0.0, rz2 - 2.0 * cr[n] + ynorm2[n]);
                 const double dist = tau == 1.0f ? std::sqrt(d2) : std::pow(d2, 0.5 * tau);
-                s.acc[n] += c * static_cast<float>(pr[n] / (1.0 - pr[n]) * dist);
+                out[n] += c * static_cast<float>(pr[n] / (1.0 - pr[n]) * dist);
               }
               // Row argmax: a/(1-a) ||R(z - v)|| = a ||R(z_{-n} - v)||, z_{-n} without cancellation.
               const float pm = pr[am];
@@ -436,7 +459,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
                 const double dist = tau == 1.0f ? std::sqrt(d2) : std::pow(d2, 0.5 * tau);
                 sc = pm / (1.0 - pm) * dist;
               } else {
-                const float* lr = s.logits + r * L;
+                const float* lr = lgg + r * L;
                 float m2 = -std::numeric_limits<float>::infinity();
                 for (std::int64_t n = 0; n < vis; ++n)
                   if (n != am) m2 = std::max(m2, lr[n]);
@@ -451,7 +474,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
                 }
                 if (den > 0.0) zhat /= den;
                 Eigen::VectorXd diff = zhat - V.row(am).transpose().cast<double>();
-                const double dist = use_r ? (R.cast<double>() * diff).norm() : diff.norm();
+                const double dist = use_r ? (rcat.middleRows(g * d, d).cast<double>() * diff).norm() : diff.norm();
                 // log(1 - a) = log(z_other) - log(1 + z_other), z_other = e^(m2 - M) * den
                 const double log_zo = (static_cast<double>(m2) - st.max_logit[r]) + std::log(den);
                 const double log1m = log_zo - std::log1p(std::exp(log_zo));
@@ -461,27 +484,28 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
                 // no contribution (log(den) = -inf made sc NaN and zeroed the token's whole score).
                 if (!(den > 0.0)) sc = 0.0;
               }
-              s.acc[am] += c * static_cast<float>(sc);
+              out[am] += c * static_cast<float>(sc);
             }
-            // a_bar (for nothing else than completeness of drift) is not needed in before mode
           }
         }
       }
+    }
 
+    for (std::int64_t g = 0; g < G; ++g) {
+      float* out = rows + g * L;
       if constexpr (is_lor) {
         if (before) {
-          for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(static_cast<double>(s.acc[n]) * out_scale);
+          for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(static_cast<double>(out[n]) * out_scale);
         } else {
-          // "after", phase 1 (per head): a_bar and the dominant token. The scores
-          // s[n] = a/(1-a) ||R z - Y_n||^tau, z = sum_{n < zlim} a[n] v_n, are computed after this
-          // loop for the whole GQA group: z of every head in one pass over V, then Y_n = R v_n
-          // tile by tile (phase 2), then the exact limit of dominant tokens (phase 3).
+          // "after", phase 1 (per head): a_bar (held in the output row) and the dominant token.
+          // The scores s[n] = a/(1-a) ||R z - Y_n||^tau, z = sum_{n < zlim} a[n] v_n, are
+          // computed below for the whole GQA group: z of every head in one pass over V, then
+          // Y_n = R v_n tile by tile (phase 2), then the exact limit of dominant tokens (phase 3).
           std::int64_t dom = 0;
           for (std::int64_t n = 1; n < L; ++n)
-            if (s.abar[n] > s.abar[dom]) dom = n;
+            if (out[n] > out[dom]) dom = n;
           s.dom[g] = dom;
-          s.adom[g] = L > 0 ? s.abar[dom] : 0.0f;
-          std::copy(s.abar, s.abar + L, out);  // a_bar, read back by phase 2
+          s.adom[g] = L > 0 ? out[dom] : 0.0f;
         }
       } else {
         if constexpr (std::is_same<Scorer, scorers::accumulated_attention>::value) {
@@ -489,14 +513,15 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
             for (std::int64_t n = 0; n < L; ++n) {
               const std::int64_t first_row = std::max<std::int64_t>(0, n - (L - w));
               const std::int64_t cnt = w - first_row;
-              s.abar[n] = cnt > 0 ? s.abar[n] / static_cast<float>(cnt) : 0.0f;
+              out[n] = cnt > 0 ? out[n] / static_cast<float>(cnt) : 0.0f;
             }
           }
         }
-        for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(s.abar[n]);
-        if constexpr (is_avn) value_l1_norms(in, hq, V, vexp, s, rows2 + g * L);
+        for (std::int64_t n = 0; n < L; ++n) out[n] = saturate(out[n]);
+        if constexpr (is_avn) value_l1_norms(in, h * G + g, V, vexp, s, rows2 + g * L);
       }
-      drift[g] = (n_front > 0 && n_rear > 0) ? d_front / static_cast<double>(n_front) - d_rear / static_cast<double>(n_rear) : 0.0;
+      drift[g] = (n_front > 0 && n_rear > 0) ? s.dsum[2 * g] / static_cast<double>(n_front) - s.dsum[2 * g + 1] / static_cast<double>(n_rear)
+                                             : 0.0;
     }
     if constexpr (is_lor) {
       if (!before_mode) {
@@ -505,7 +530,6 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
         // group; the tile stays in L2) and for every head g and token n of the tile
         // s[n] = a/(1-a) ||R_g z_g - Y_n||^tau, a = a_bar_g[n] (held in the output row). In value
         // space Y_n = v_n (read in place).
-        const bool use_r = P.scorer.use_wo;
         const std::int64_t zlim = P.scorer.include_window_in_output ? L : L - w;
         {
           Eigen::MatrixXf Z = Eigen::MatrixXf::Zero(d, G);
@@ -531,11 +555,6 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
             // ||R z - Y_n||^2 of the tile's tokens in fp32 (vectorised over d; relative error
             // ~1e-6). A sum that overflowed or fell below 2^-100 (|differences| near the fp32
             // range limits) is recomputed with fp64 squares.
-            Eigen::Map<Eigen::VectorXf> d2v(s.rowtmp, nb);
-            d2v.noalias() = (cmap_rm(yg, nb, d, Eigen::OuterStride<>(y_stride)).rowwise() -
-                             Eigen::Map<const Eigen::RowVectorXf>(rz, d))
-                                .rowwise()
-                                .squaredNorm();
             for (std::int64_t t = 0; t < nb; ++t) {
               const std::int64_t n = n0 + t;
               const float a = out[n];
@@ -543,7 +562,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
                 out[n] = 0.0f;
                 continue;
               }
-              double d2 = static_cast<double>(s.rowtmp[t]);
+              double d2 = static_cast<double>(sq_dist_f32(rz, yg + t * y_stride, d));
               if (!(d2 <= 3.0e38) || d2 < 0x1p-100) d2 = sq_dist_fp64(rz, yg + t * y_stride, d);
               const double dist = std::sqrt(d2);
               const double dd = tau == 1.0f ? dist : std::pow(dist, static_cast<double>(tau));
@@ -560,12 +579,6 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
           const T* qbase = in.queries.data + b * in.queries.stride[0] + hq * in.queries.stride[1] +
                            (in.window() - w) * in.queries.stride[2];
           cmap_rm Q = stage_rows(qbase, w, d, in.queries.stride[2], in.queries.stride[3], s.qbuf);
-          Eigen::MatrixXf R;
-          if (use_r) {
-            R.resize(d, d);
-            for (std::int64_t r = 0; r < d; ++r)
-              for (std::int64_t c = 0; c < d; ++c) R(r, c) = in.wo_factor(hq, r, c);
-          }
           {
             // Exact limit for the dominant token: a * (1-a)^(tau-1) * ||R(z_{-n} - v_n)||^tau with
             // weights of the other tokens computed relative to their largest log-weight E.
@@ -574,9 +587,9 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
             double den = 0.0, E = -std::numeric_limits<double>::infinity();
             for (std::int64_t j0 = row_begin; j0 < w; j0 += attention_row_block) {
               const std::int64_t rb = std::min(attention_row_block, w - j0);
-              row_stats st{s.st_max + j0, s.st_zo + j0, s.st_arg + j0};
+              const row_stats st{s.st_max, s.st_zo, s.st_arg};
               attention_block(cmap_rm(Q.data() + j0 * Q.outerStride(), rb, d, Eigen::OuterStride<>(Q.outerStride())), K,
-                              L, w, j0, scale, s.logits, s.probs, st);
+                              L, w, j0, rb, scale, s.logits, s.probs, st);
               for (std::int64_t r = 0; r < rb; ++r) {
                 const std::int64_t j = j0 + r;
                 const double c = s.st_c[j];
@@ -610,7 +623,7 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
               const bool in_z = n0 < zlim;
               Eigen::VectorXd diff = (in_z ? Eigen::VectorXd(num / den) : Eigen::VectorXd(num * std::exp(E))) -
                                      V.row(n0).transpose().cast<double>();
-              const double dist = use_r ? (R.cast<double>() * diff).norm() : diff.norm();
+              const double dist = use_r ? (rcat.middleRows(g * d, d).cast<double>() * diff).norm() : diff.norm();
               const double log1m = std::log(den) + E;
               const double a = s.adom[g];
               const double sc = a * std::exp((in_z ? tau - 1.0 : -1.0) * log1m) * std::pow(dist, static_cast<double>(tau));

@@ -17,6 +17,26 @@ namespace detail {
 /// Rows of the window processed together (bounds the rows x L scratch).
 inline constexpr std::int64_t attention_row_block = 32;
 
+/// Keys per logits GEMM of attention_block: the tile's logits of every row (G rb x 1024 floats,
+/// 512 KiB for a block of 4 x 32 rows) are still in L2 when their maximum is taken.
+inline constexpr std::int64_t attention_key_tile = 1024;
+
+/// Softmax entries exponentiated and summed together (a chunk stays in L1 between the two).
+inline constexpr std::int64_t softmax_chunk = 1024;
+
+/// Index of the first x[i] == v in x[0, n) (n if none): blocks of 64 are tested with a
+/// vectorisable OR of comparisons, then the block that holds it is scanned.
+inline std::int64_t first_equal(const float* x, std::int64_t n, float v) {
+  constexpr std::int64_t blk = 64;
+  for (std::int64_t b0 = 0; b0 < n; b0 += blk) {
+    const std::int64_t be = std::min(n, b0 + blk);
+    bool hit = false;
+    for (std::int64_t i = b0; i < be; ++i) hit |= (x[i] == v);
+    if (hit) return std::find(x + b0, x + be, v) - x;
+  }
+  return n;
+}
+
 /// Per-row softmax statistics of a block, for the exact paths of the reconstruction score.
 struct row_stats {
   float* max_logit;    ///< M_j: largest visible logit (0 when the row was rescaled)
@@ -24,49 +44,77 @@ struct row_stats {
   std::int32_t* arg;   ///< argmax (lowest index among equal maxima)
 };
 
-/// Logits and probabilities of window rows [j0, j0 + rb) of a head with L keys and an
-/// effective window of w rows. Row j is the query of slot L - w + j and sees keys
-/// 0 .. L - w + j (causal mask inside the window). `q` is rb x d (fp32), `k` is L x d.
-/// Outputs (row-major, leading dimension L): logits (masked entries -inf) and probs (masked
-/// entries 0), plus the row statistics at offset r of `st`. Logits that overflow fp32 (huge
-/// norms) are recomputed in fp64 and stored relative to the row maximum (M_j = 0 then).
+/// Logits and probabilities of window rows [j0, j0 + rph) of the G = q.rows() / rph query heads
+/// of a GQA group, which share the L keys `k` (L x d), with an effective window of w rows.
+/// `q` is (G rph) x d (fp32): row g rph + r is head g's window row j = j0 + r, the query of slot
+/// L - w + j, which sees keys 0 .. L - w + j (causal mask inside the window). One GEMM for the
+/// whole group, so the keys are packed once, not G times.
+/// Outputs (row-major, leading dimension L, rows in q's order): logits (masked entries -inf) and
+/// probs (masked entries 0), plus the row statistics at offset g rph + r of `st`. Logits that
+/// overflow fp32 (huge norms) are recomputed in fp64 and stored relative to the row maximum
+/// (M_j = 0 then).
 inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, std::int64_t w, std::int64_t j0,
-                            float scale, float* logits, float* probs, const row_stats& st) {
+                            std::int64_t rph, float scale, float* logits, float* probs, const row_stats& st) {
   const std::int64_t rb = q.rows();
-  map_rm lg(logits, rb, L, Eigen::OuterStride<>(L));
-  lg.noalias() = (q * k.transpose()) * scale;
   const float ninf = -std::numeric_limits<float>::infinity();
+  // Logits in tiles of attention_key_tile keys: scale * (q k_t^T) is one GEMM with alpha = scale
+  // (Eigen folds the scalar into the product; (q k^T) * scale would be evaluated into a
+  // temporary and copied). While a tile is in cache, each row's running maximum is updated and
+  // its finiteness checked: x - x == 0 exactly when x is finite, so the vectorised sum of x - x
+  // over the row's visible keys is 0 exactly when every one of its logits is finite.
   for (std::int64_t r = 0; r < rb; ++r) {
-    const std::int64_t j = j0 + r;
+    st.max_logit[r] = ninf;
+    st.z_other[r] = 0.0;  // finiteness sum, until the softmax below
+  }
+  for (std::int64_t n0 = 0; n0 < L; n0 += attention_key_tile) {
+    const std::int64_t nt = std::min(attention_key_tile, L - n0);
+    map_rm lg(logits + n0, rb, nt, Eigen::OuterStride<>(L));
+    lg.noalias() = scale * (q * k.middleRows(n0, nt).transpose());
+    for (std::int64_t r = 0; r < rb; ++r) {
+      const std::int64_t vis = L - w + j0 + r % rph + 1;  // visible keys [0, vis)
+      const std::int64_t m = std::min(nt, vis - n0);
+      if (m <= 0) continue;
+      const Eigen::Map<const Eigen::ArrayXf> la(logits + r * L + n0, m);
+      st.z_other[r] += static_cast<double>((la - la).sum());
+      st.max_logit[r] = std::max(st.max_logit[r], la.maxCoeff());
+    }
+  }
+  for (std::int64_t r = 0; r < rb; ++r) {
+    const std::int64_t j = j0 + r % rph;
     const std::int64_t vis = L - w + j + 1;  // visible keys [0, vis)
     float* l = logits + r * L;
     float* p = probs + r * L;
     for (std::int64_t n = vis; n < L; ++n) l[n] = ninf;
-    // x - x == 0 exactly when x is finite: one vectorised pass instead of a branchy scan.
-    const bool finite = ((Eigen::Map<const Eigen::ArrayXf>(l, vis) - Eigen::Map<const Eigen::ArrayXf>(l, vis)) == 0.0f).all();
-    if (!finite) {  // fp64 recompute, stored relative to the row max
+    float mx = st.max_logit[r];
+    if (!(st.z_other[r] == 0.0)) {  // an inf or NaN logit: fp64 recompute, stored relative to the row max
       auto dot = [&](std::int64_t n) {
         double acc = 0.0;
         for (Eigen::Index c = 0; c < q.cols(); ++c) acc += static_cast<double>(q(r, c)) * static_cast<double>(k(n, c));
         return acc * scale;
       };
-      double mx = -std::numeric_limits<double>::infinity();
-      for (std::int64_t n = 0; n < vis; ++n) mx = std::max(mx, dot(n));
+      double dmx = -std::numeric_limits<double>::infinity();
+      for (std::int64_t n = 0; n < vis; ++n) dmx = std::max(dmx, dot(n));
       for (std::int64_t n = 0; n < vis; ++n) {
-        const double rel = dot(n) - mx;
+        const double rel = dot(n) - dmx;
         l[n] = rel < -3.0e38 ? -3.0e38f : static_cast<float>(rel);
       }
+      mx = Eigen::Map<const Eigen::ArrayXf>(l, vis).maxCoeff();
     }
-    // Row maximum (vectorised), then its first occurrence: the argmax, lowest index on ties.
-    const float mx = Eigen::Map<const Eigen::ArrayXf>(l, vis).maxCoeff();
-    const std::int64_t am = std::find(l, l + vis, mx) - l;
-    Eigen::Map<Eigen::ArrayXf> pa(p, vis);
-    pa = (Eigen::Map<const Eigen::ArrayXf>(l, vis) - mx).exp();
-    p[am] = 0.0f;
-    const double zo = static_cast<double>(pa.sum());
+    // The first occurrence of the row maximum: the argmax, lowest index on ties.
+    const std::int64_t am = first_equal(l, vis, mx);
+    // p = exp(l - mx) and the sum of the others' weights, chunk by chunk (each chunk is summed
+    // while it is in L1); p[am] = exp(0) = 1 is left out of the sum.
+    double zo = 0.0;
+    for (std::int64_t c0 = 0; c0 < vis; c0 += softmax_chunk) {
+      const std::int64_t cn = std::min(softmax_chunk, vis - c0);
+      Eigen::Map<Eigen::ArrayXf> pc(p + c0, cn);
+      pc = (Eigen::Map<const Eigen::ArrayXf>(l + c0, cn) - mx).exp();
+      if (am >= c0 && am < c0 + cn) p[am] = 0.0f;
+      zo += static_cast<double>(pc.sum());
+    }
     const double z = 1.0 + zo;
     const float inv = static_cast<float>(1.0 / z);
-    pa *= inv;
+    Eigen::Map<Eigen::ArrayXf>(p, vis) *= inv;
     p[am] = inv;
     for (std::int64_t n = vis; n < L; ++n) p[n] = 0.0f;
     st.max_logit[r] = mx;
