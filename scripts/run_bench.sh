@@ -12,7 +12,12 @@
 #                           straightforward reference use fixed small iteration counts)
 #   KVEVICT_BENCH_FILTER    --benchmark_filter      (default: all)
 #   KVEVICT_BENCH_DOC       markdown file to update (default: docs/performance.md)
-#   KVEVICT_BENCH_JSON      reuse this JSON instead of building and running (report only)
+#   KVEVICT_BENCH_JSON      reuse this JSON instead of building and running (report only); the
+#                           target check is read from the same name with .json -> _target.json
+#   KVEVICT_BENCH_REPS      repetitions of the target check (default 7; 0 skips it): the ReST-KV
+#                           scorer at L >= 8k and its limit GEMM, randomly interleaved so that
+#                           both sample the same stretch of time (a shared machine's load moves
+#                           the rates of a single pass by +-30 %), compared by their medians
 #   OMP_NUM_THREADS         threads of kvevict's CPU backend (default: all cores)
 #   OMP_WAIT_POLICY         default passive: idle OpenMP threads sleep instead of spinning, so
 #                           the process CPU time (cpu_time) counts work, not waiting
@@ -36,13 +41,24 @@ if [[ -z "$JSON" ]]; then
   "$BUILD/bench/cpu/kvevict_bench_cpu" --benchmark_min_time="$MIN_TIME" --benchmark_filter="$FILTER" \
       --benchmark_out="$JSON" --benchmark_out_format=json --benchmark_counters_tabular=false
   echo "benchmarks took $(( $(date +%s) - T0 )) s"
+  REPS="${KVEVICT_BENCH_REPS:-7}"
+  if [[ "$REPS" -gt 0 ]]; then
+    T0=$(date +%s)
+    "$BUILD/bench/cpu/kvevict_bench_cpu" --benchmark_min_time="$MIN_TIME" \
+        --benchmark_filter='^(score_reconstruction/.*/L:(8192|16384|32768)|limit_gemm_heads)/' \
+        --benchmark_repetitions="$REPS" --benchmark_enable_random_interleaving=true \
+        --benchmark_out="${JSON%.json}_target.json" --benchmark_out_format=json --benchmark_counters_tabular=false
+    echo "target check took $(( $(date +%s) - T0 )) s"
+  else
+    rm -f "${JSON%.json}_target.json"
+  fi
 fi
 LOAD_AFTER="$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo n/a)"
 if [[ -n "${KVEVICT_BENCH_JSON:-}" ]]; then  # report re-rendered from a saved run
   LOAD_BEFORE="n/a (re-rendered from a saved JSON)"; LOAD_AFTER="n/a"
 fi
 
-export KB_JSON="$JSON" KB_DOC="$DOC" KB_LOAD_BEFORE="$LOAD_BEFORE" KB_LOAD_AFTER="$LOAD_AFTER"
+export KB_JSON="$JSON" KB_JSON_TARGET="${JSON%.json}_target.json" KB_DOC="$DOC" KB_LOAD_BEFORE="$LOAD_BEFORE" KB_LOAD_AFTER="$LOAD_AFTER"
 export KB_CPU="$(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -1)"
 export KB_CORES="$(nproc)"
 export KB_COMMIT="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -263,6 +279,51 @@ if r32:
                  f"(" + ", ".join(f"{dt} {100 * v:.2f}%" for _, dt, v in sorted(r32)) + ").")
 out.extend(lines or ["- (no target benchmarks in this run)"])
 out.append("")
+
+# --- target check: interleaved repetitions -----------------------------------------------------
+tj = os.environ.get("KB_JSON_TARGET", "")
+if tj and os.path.exists(tj):
+    reps = {}
+    for b in json.load(open(tj))["benchmarks"]:
+        if b.get("run_type", "iteration") != "iteration" or b.get("error_occurred"):
+            continue
+        unit = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[b.get("time_unit", "ns")]
+        reps.setdefault(b["run_name"], []).append((b["real_time"] * unit, b["cpu_time"] * unit, b.get("flops", 0.0)))
+    def med(xs):
+        xs = sorted(xs)
+        n = len(xs)
+        return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+    lim = [v for k, v in reps.items() if k.startswith("limit_gemm_heads")]
+    if lim:
+        lim = lim[0]
+        lrate = med([f / t for t, _, f in lim])
+        lrate_c = med([f / c for _, c, f in lim])
+        out.append("### Target check: ReST-KV scoring vs its limit GEMM, interleaved repetitions")
+        out.append("")
+        out.append(f"A second pass over only these benchmarks, {len(lim)} repetitions each in random order "
+                   "(`--benchmark_enable_random_interleaving`), so that the scorer and the GEMM it is compared with "
+                   "sample the same stretch of time; rates are medians over the repetitions. Limit (same-shape Eigen "
+                   f"GEMM): median {lrate / 1e9:.0f} GFLOP/s (range {min(f / t for t, _, f in lim) / 1e9:.0f}-"
+                   f"{max(f / t for t, _, f in lim) / 1e9:.0f}); per CPU second {lrate_c / 1e9:.0f}.")
+        out.append("")
+        out.append("| benchmark | dtype | L | median ms | median GFLOP/s | fraction of the limit (medians) | range over repetitions | fraction (CPU time) |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        worst = None
+        rows_t = sorted((k.split("/")[1], int(re.search(r"L:(\d+)", k).group(1)), v) for k, v in reps.items()
+                        if k.startswith("score_reconstruction/"))
+        for dt, L, v in rows_t:
+            r = med([f / t for t, _, f in v])
+            rc = med([f / c for _, c, f in v])
+            fr, frc = r / lrate, rc / lrate_c
+            lo, hi = min(f / t for t, _, f in v) / lrate, max(f / t for t, _, f in v) / lrate
+            worst = min(worst or (fr, dt, L), (fr, dt, L))
+            out.append(f"| score_reconstruction | {dt} | {L} | {ms(med([t for t, _, _ in v]))} | {r / 1e9:.0f} | "
+                       f"**{100 * fr:.0f}%** | {100 * lo:.0f}-{100 * hi:.0f}% | {100 * frc:.0f}% |")
+        out.append("")
+        if worst:
+            out.append(f"- Target (ReST-KV scoring at L >= 8k >= 50% of the same-shape GEMM), from the medians: "
+                       f"{verdict(worst[0] >= 0.5)}; lowest {100 * worst[0]:.0f}% ({worst[1]}, L = {worst[2]}).")
+            out.append("")
 
 body = "\n".join(out)
 doc = os.environ["KB_DOC"]
