@@ -61,7 +61,7 @@ void BM_window_attention(benchmark::State& st) {
       for (std::int64_t j0 = 0; j0 < w; j0 += kc::detail::attention_row_block) {
         const std::int64_t rb = std::min(kc::detail::attention_row_block, w - j0);
         kc::detail::attention_block(kc::detail::stage_group_queries(in, 0, h, G, w, j0, rb, s.qbuf), K, L, w, j0, rb, scale,
-                                    s.logits, s.probs, kc::detail::row_stats{s.st_max, s.st_zo, s.st_arg});
+                                    s.logits, s.probs, kc::detail::row_stats{s.st_max, s.st_zo, s.st_arg, s.st_inv});
       }
       benchmark::DoNotOptimize(s.probs);
     });

@@ -106,13 +106,15 @@ struct head_scratch {
   float* adom = nullptr;   // G     ("after" mode: a_bar of each head's dominant token)
   std::int64_t* dom = nullptr;  // G
   float* qbuf = nullptr;   // G * w x d (staged queries)
-  float* logits = nullptr; // G rb x cap (a block of window rows of the whole GQA group)
-  float* probs = nullptr;  // G rb x cap
+  float* logits = nullptr; // G rb x cap (a block of window rows of the whole GQA group; the
+                           // softmax weights in place, except in "before" mode)
+  float* probs = nullptr;  // G rb x cap ("before" mode: probabilities; phase 3: scratch)
   float* cross = nullptr;  // rb x cap  ("before" mode only: one head's cross products)
   float* rowtmp = nullptr; // cap
   float* st_max = nullptr;      // G rb (row statistics of one block, attention_block)
   double* st_zo = nullptr;      // G rb
   std::int32_t* st_arg = nullptr;  // G rb
+  float* st_inv = nullptr;      // G rb
   double* dsum = nullptr;       // 2 G (adaptive-window drift: front and rear sums per head)
   float* st_c = nullptr;        // w (temporal weights)
   float* wbuf = nullptr;        // C x d   (W_O^h staged, attention_value_norm only)
@@ -142,6 +144,7 @@ struct head_scratch {
     st_max = c.template carve<float>(sb);
     st_zo = c.template carve<double>(sb);
     st_arg = c.template carve<std::int32_t>(sb);
+    st_inv = c.template carve<float>(sb);
     dsum = c.template carve<double>(2 * g1);
     st_c = c.template carve<float>(ws);
   }
@@ -407,23 +410,32 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
 
     for (std::int64_t j0 = row_begin; j0 < w; j0 += attention_row_block) {
       const std::int64_t rb = std::min(attention_row_block, w - j0);
-      attention_block(stage_group_queries(in, b, h, G, w, j0, rb, s.qbuf), K, L, w, j0, rb, scale, s.logits, s.probs,
-                      row_stats{s.st_max, s.st_zo, s.st_arg});
+      // "before" mode reads the normalised probabilities and the logits afterwards; every other
+      // path only needs the weights: the softmax runs in place over the logits and leaves them
+      // unnormalised, fl(e * inv_z) = the probability is folded into the consumers below.
+      float* const pbase = before ? s.probs : s.logits;
+      attention_block(stage_group_queries(in, b, h, G, w, j0, rb, s.qbuf), K, L, w, j0, rb, scale, s.logits, pbase,
+                      row_stats{s.st_max, s.st_zo, s.st_arg, s.st_inv}, before);
       if (want_drift)
         for (std::int64_t r = 0; r < rb; ++r) ++(j0 + r < w / 2 ? n_front : n_rear);
-      Eigen::Map<const Eigen::VectorXf> cb(s.st_c + j0, rb);
 
       for (std::int64_t g = 0; g < G; ++g) {
         float* out = rows + g * L;
-        const float* pg = s.probs + g * rb * L;   // head g's rows of the block
+        const float* pg = pbase + g * rb * L;   // head g's rows of the block
         const float* lgg = s.logits + g * rb * L;
-        const row_stats st{s.st_max + g * rb, s.st_zo + g * rb, s.st_arg + g * rb};
+        const row_stats st{s.st_max + g * rb, s.st_zo + g * rb, s.st_arg + g * rb, s.st_inv + g * rb};
         cmap_rm Pb(pg, rb, L, Eigen::OuterStride<>(L));
-        if (!before) vec_map(out, L).noalias() += Pb.transpose() * cb;
+        if (!before) {
+          // a_bar += sum_r c_j p_r = sum_r (c_j / Z_r) e_r
+          float cz[attention_row_block];
+          for (std::int64_t r = 0; r < rb; ++r) cz[r] = s.st_c[j0 + r] * st.inv_z[r];
+          vec_map(out, L).noalias() += Pb.transpose() * Eigen::Map<const Eigen::VectorXf>(cz, rb);
+        }
         if (want_drift) {
           for (std::int64_t r = 0; r < rb; ++r) {
             const std::int64_t j = j0 + r;
-            s.dsum[2 * g + (j < w / 2 ? 0 : 1)] += topk_mean_index(pg + r * L, L - w + j + 1, job.drift_topk, s.rowtmp);
+            s.dsum[2 * g + (j < w / 2 ? 0 : 1)] +=
+                topk_mean_index(pg + r * L, L - w + j + 1, job.drift_topk, s.rowtmp, before ? 1.0f : st.inv_z[r]);
           }
         }
         if constexpr (is_lor) {
@@ -587,9 +599,9 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
             double den = 0.0, E = -std::numeric_limits<double>::infinity();
             for (std::int64_t j0 = row_begin; j0 < w; j0 += attention_row_block) {
               const std::int64_t rb = std::min(attention_row_block, w - j0);
-              const row_stats st{s.st_max, s.st_zo, s.st_arg};
+              const row_stats st{s.st_max, s.st_zo, s.st_arg, s.st_inv};  // only the logits and z_other are read
               attention_block(cmap_rm(Q.data() + j0 * Q.outerStride(), rb, d, Eigen::OuterStride<>(Q.outerStride())), K,
-                              L, w, j0, rb, scale, s.logits, s.probs, st);
+                              L, w, j0, rb, scale, s.logits, s.probs, st, false);
               for (std::int64_t r = 0; r < rb; ++r) {
                 const std::int64_t j = j0 + r;
                 const double c = s.st_c[j];

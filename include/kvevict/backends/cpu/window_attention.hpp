@@ -42,6 +42,7 @@ struct row_stats {
   float* max_logit;    ///< M_j: largest visible logit (0 when the row was rescaled)
   double* z_other;     ///< sum over visible m != argmax of exp(l_jm - M_j); Z_j = 1 + z_other
   std::int32_t* arg;   ///< argmax (lowest index among equal maxima)
+  float* inv_z;        ///< 1 / Z_j rounded to fp32: probability = fl(exp(l_jm - M_j) * inv_z)
 };
 
 /// Logits and probabilities of window rows [j0, j0 + rph) of the G = q.rows() / rph query heads
@@ -53,8 +54,13 @@ struct row_stats {
 /// probs (masked entries 0), plus the row statistics at offset g rph + r of `st`. Logits that
 /// overflow fp32 (huge norms) are recomputed in fp64 and stored relative to the row maximum
 /// (M_j = 0 then).
+/// normalize = false leaves the unnormalised weights e_jm = exp(l_jm - M_j) in probs (1 at the
+/// argmax) and skips a pass over them: the probability is fl(e_jm * st.inv_z[r]), bit for bit
+/// what normalize = true stores. probs may be the logits buffer itself (softmax in place; the
+/// logits are then lost).
 inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, std::int64_t w, std::int64_t j0,
-                            std::int64_t rph, float scale, float* logits, float* probs, const row_stats& st) {
+                            std::int64_t rph, float scale, float* logits, float* probs, const row_stats& st,
+                            bool normalize = true) {
   const std::int64_t rb = q.rows();
   const float ninf = -std::numeric_limits<float>::infinity();
   // Logits in tiles of attention_key_tile keys: scale * (q k_t^T) is one GEMM with alpha = scale
@@ -114,36 +120,42 @@ inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, 
     }
     const double z = 1.0 + zo;
     const float inv = static_cast<float>(1.0 / z);
-    Eigen::Map<Eigen::ArrayXf>(p, vis) *= inv;
-    p[am] = inv;
+    if (normalize) {
+      Eigen::Map<Eigen::ArrayXf>(p, vis) *= inv;
+      p[am] = inv;
+    } else {
+      p[am] = 1.0f;
+    }
     for (std::int64_t n = vis; n < L; ++n) p[n] = 0.0f;
     st.max_logit[r] = mx;
     st.z_other[r] = zo;
     st.arg[r] = static_cast<std::int32_t>(am);
+    st.inv_z[r] = inv;
   }
 }
 
-/// Mean index of the top-K entries (value desc, index asc) of p[0, n): a value selection
-/// (nth_element on a contiguous copy, O(n)) gives the K-th largest value t, then one pass sums
-/// the indices above t and the lowest-index entries equal to t. p must hold no NaN (softmax
-/// probabilities). vals: n floats of scratch.
-inline double topk_mean_index(const float* p, std::int64_t n, std::int64_t K, float* vals) {
+/// Mean index of the top-K entries (value desc, index asc) of x[0, n), x[i] = fl(p[i] * f): a
+/// value selection (nth_element on a contiguous copy, O(n)) gives the K-th largest value t, then
+/// one pass sums the indices above t and the lowest-index entries equal to t. p must hold no NaN
+/// (softmax weights; f = 1 for probabilities, f = row_stats::inv_z for unnormalised weights,
+/// which ranks exactly the probabilities). vals: n floats of scratch.
+inline double topk_mean_index(const float* p, std::int64_t n, std::int64_t K, float* vals, float f = 1.0f) {
   if (n <= 0) return 0.0;
   if (K > n) K = n;
   if (K < 1) K = 1;
   if (K == n) return static_cast<double>(n - 1) / 2.0;
-  std::copy(p, p + n, vals);
+  for (std::int64_t i = 0; i < n; ++i) vals[i] = p[i] * f;
   std::nth_element(vals, vals + (K - 1), vals + n, [](float a, float b) { return a > b; });
   const float t = vals[K - 1];
   double s = 0.0;
   std::int64_t above = 0;
   for (std::int64_t i = 0; i < n; ++i)
-    if (p[i] > t) {
+    if (p[i] * f > t) {
       s += static_cast<double>(i);
       ++above;
     }
   for (std::int64_t i = 0, need = K - above; i < n && need > 0; ++i)
-    if (p[i] == t) {
+    if (p[i] * f == t) {
       s += static_cast<double>(i);
       --need;
     }
