@@ -2,6 +2,7 @@
 // untouched).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -480,4 +481,134 @@ TEST_CASE("gqa = layer_mean with unequal head lengths is rejected by name") {
   kvtest::store(p, layout::nhd, st);
   kv::evictor<kv::presets::tova, kv::cpu::backend> ev;
   expect_error(ev, st.in, kv::budget_request::tokens(8), kv::errc::invalid_argument, "layer_mean");
+}
+
+// ---- window attention internals -------------------------------------------------------------
+
+namespace {
+/// Mean index of the top-K of fl(p[i] * f) by (value desc, index asc), by a full stable sort.
+double topk_mean_index_by_sort(const std::vector<float>& p, std::int64_t K, float f) {
+  const std::int64_t n = static_cast<std::int64_t>(p.size());
+  if (n == 0) return 0.0;
+  K = std::max<std::int64_t>(1, std::min(K, n));
+  std::vector<std::int64_t> idx(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) idx[static_cast<std::size_t>(i)] = i;
+  std::stable_sort(idx.begin(), idx.end(), [&](std::int64_t a, std::int64_t b) {
+    return p[static_cast<std::size_t>(a)] * f > p[static_cast<std::size_t>(b)] * f;
+  });
+  double s = 0.0;
+  for (std::int64_t i = 0; i < K; ++i) s += static_cast<double>(idx[static_cast<std::size_t>(i)]);
+  return s / static_cast<double>(K);
+}
+}  // namespace
+
+TEST_CASE("topk_mean_index (radix select) equals a full sort: ties, signed zeros, denormals, scaled weights") {
+  kvtest::rng g(2026);
+  std::int64_t cases = 0;
+  for (int trial = 0; trial < 6000; ++trial) {
+    const std::int64_t n = trial % 50 == 0 ? g.integer(2000, 40000) : g.integer(0, 400);
+    const std::int64_t K = g.integer(-1, n + 2);
+    const int kind = trial % 7;
+    std::vector<float> p(static_cast<std::size_t>(n));
+    for (float& x : p) {
+      switch (kind) {
+        case 0: x = static_cast<float>(std::exp(3.0 * g.normal())); break;           // softmax-like spread
+        case 1: x = static_cast<float>(g.integer(0, 3)) * 0.25f; break;              // few values, many ties
+        case 2: x = g.integer(0, 1) ? 0.0f : -0.0f; break;                           // signed zeros only
+        case 3: x = std::ldexp(1.0f, -static_cast<int>(g.integer(0, 149))); break;   // normal .. denormal
+        case 4: x = g.integer(0, 2) ? 1.0f : std::nextafter(1.0f, 0.0f); break;      // one crowded bucket
+        case 5: x = 1e-3f * (1.0f + static_cast<float>(g.integer(0, 7)) * 1e-7f); break;  // ulp-apart values
+        default: x = static_cast<float>(g.uniform()); x = g.integer(0, 9) == 0 ? 0.0f : x; break;
+      }
+    }
+    const float f = trial % 3 == 0 ? 1.0f : static_cast<float>(g.uniform(1e-3, 2.0));
+    std::vector<float> vals(p.size() + 1);
+    const double got = kv::cpu::detail::topk_mean_index(p.data(), n, K, vals.data(), f);
+    const double want = topk_mean_index_by_sort(p, K, f);
+    if (got != want) {
+      CAPTURE(trial);
+      CAPTURE(n);
+      CAPTURE(K);
+      CAPTURE(kind);
+      CHECK(got == want);
+    }
+    ++cases;
+  }
+  CHECK(cases == 6000);
+}
+
+TEST_CASE("attention_block: a GQA group in one call equals its heads one at a time and an fp64 softmax; unnormalised "
+          "and in-place weights give the probabilities bit for bit") {
+  namespace cd = kv::cpu::detail;
+  kvtest::rng g(7);
+  for (const std::int64_t L : {1, 5, 33, 1023, 1024, 1025, 2100}) {
+    for (const std::int64_t G : {1, 3, 4}) {
+      const std::int64_t d = 24, w = std::min<std::int64_t>(L, 20), rb = w;
+      std::vector<float> k(static_cast<std::size_t>(L * d)), q(static_cast<std::size_t>(G * rb * d));
+      for (float& x : k) x = static_cast<float>(g.normal());
+      for (float& x : q) x = static_cast<float>(2.0 * g.normal());
+      if (L == 1025 && G == 3) q[static_cast<std::size_t>(d * rb + 2)] = 3e38f;  // head 1, row 0: logits overflow -> fp64 path
+      const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+      const std::size_t rows = static_cast<std::size_t>(G * rb), n = rows * static_cast<std::size_t>(L);
+      std::vector<float> lg(n), pr(n), lg2(n), pr2(n), lg3(n);
+      std::vector<float> mx(rows), mx2(rows), mx3(rows), iz(rows), iz2(rows), iz3(rows);
+      std::vector<double> zo(rows), zo2(rows), zo3(rows);
+      std::vector<std::int32_t> am(rows), am2(rows), am3(rows);
+      const cd::cmap_rm K(k.data(), L, d, Eigen::OuterStride<>(d)), Q(q.data(), G * rb, d, Eigen::OuterStride<>(d));
+      cd::attention_block(Q, K, L, w, 0, rb, scale, lg.data(), pr.data(), cd::row_stats{mx.data(), zo.data(), am.data(), iz.data()});
+      // Unnormalised into a second buffer, and in place over the logits.
+      cd::attention_block(Q, K, L, w, 0, rb, scale, lg2.data(), pr2.data(), cd::row_stats{mx2.data(), zo2.data(), am2.data(), iz2.data()},
+                          false);
+      cd::attention_block(Q, K, L, w, 0, rb, scale, lg3.data(), lg3.data(), cd::row_stats{mx3.data(), zo3.data(), am3.data(), iz3.data()},
+                          false);
+      std::int64_t bad_bits = 0, bad_inplace = 0;
+      for (std::size_t r = 0; r < rows; ++r)
+        for (std::int64_t m = 0; m < L; ++m) {
+          const std::size_t i = r * static_cast<std::size_t>(L) + static_cast<std::size_t>(m);
+          bad_bits += bits_of(pr2[i] * iz2[r]) != bits_of(pr[i]);
+          bad_inplace += bits_of(lg3[i]) != bits_of(pr2[i]);
+        }
+      CAPTURE(L);
+      CAPTURE(G);
+      CHECK(bad_bits == 0);
+      CHECK(bad_inplace == 0);
+      CHECK(iz == iz2);
+      CHECK(am == am3);
+      // One head at a time (rows of head h only), and the fp64 reference softmax.
+      double worst = 0.0;
+      for (std::int64_t h = 0; h < G; ++h) {
+        const std::size_t hn = static_cast<std::size_t>(rb * L);
+        std::vector<float> hl(hn), hp(hn), hm(static_cast<std::size_t>(rb)), hz(static_cast<std::size_t>(rb));
+        std::vector<double> ho(static_cast<std::size_t>(rb));
+        std::vector<std::int32_t> ha(static_cast<std::size_t>(rb));
+        cd::attention_block(cd::cmap_rm(q.data() + h * rb * d, rb, d, Eigen::OuterStride<>(d)), K, L, w, 0, rb, scale, hl.data(),
+                            hp.data(), cd::row_stats{hm.data(), ho.data(), ha.data(), hz.data()});
+        for (std::int64_t r = 0; r < rb; ++r) {
+          const std::size_t gr = static_cast<std::size_t>(h * rb + r);
+          CHECK(ha[static_cast<std::size_t>(r)] == am[gr]);
+          const std::int64_t vis = L - w + r + 1;
+          std::vector<double> lo(static_cast<std::size_t>(vis));
+          double top = -std::numeric_limits<double>::infinity();
+          for (std::int64_t m = 0; m < vis; ++m) {
+            double acc = 0.0;
+            for (std::int64_t c = 0; c < d; ++c)
+              acc += static_cast<double>(q[static_cast<std::size_t>((h * rb + r) * d + c)]) * k[static_cast<std::size_t>(m * d + c)];
+            lo[static_cast<std::size_t>(m)] = acc * scale;
+            top = std::max(top, acc * scale);
+          }
+          double z = 0.0;
+          for (double x : lo) z += std::exp(x - top);
+          for (std::int64_t m = 0; m < L; ++m) {
+            const double want = m < vis ? std::exp(lo[static_cast<std::size_t>(m)] - top) / z : 0.0;
+            const float got = pr[gr * static_cast<std::size_t>(L) + static_cast<std::size_t>(m)];
+            const float one = hp[static_cast<std::size_t>(r * L + m)];
+            worst = std::max(worst, std::fabs(got - want));
+            worst = std::max(worst, std::fabs(static_cast<double>(one) - want));
+            if (m >= vis) CHECK((got == 0.0f && one == 0.0f));
+          }
+        }
+      }
+      CHECK(worst < 2e-6);
+    }
+  }
 }
