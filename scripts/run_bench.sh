@@ -265,7 +265,7 @@ if len(ref_rows) >= 2:
     lines.append("- Extra memory grows with seq_len, not seq_len x hidden: " + verdict(ok) + ". Bytes per token at L = "
                  + ", ".join(str(L) for L in Ls) + ": kvevict " + ", ".join(f"{x:,.0f}" for x in kpt)
                  + "; straightforward " + ", ".join(f"{x:,.0f}" for x in rpt) + f". Per token and thread that is "
-                 f"{min(kf):,.0f}-{max(kf):,.0f} floats for kvevict (K and V staging, 3 x 32 attention rows, score rows; V R^T "
+                 f"{min(kf):,.0f}-{max(kf):,.0f} floats for kvevict (K and V staging, logits and weights of G x 32 window rows, score rows; V R^T "
                  f"only for one 256-token tile) "
                  f"vs {min(rf):,.0f}-{max(rf):,.0f} floats for the straightforward scorer (C = 4096: the L x C "
                  f"projection); per ADDED token (L = {L0:,} -> {L1:,}) {km:,.0f} vs {rm:,.0f} floats per thread, so "
