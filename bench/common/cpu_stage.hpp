@@ -18,7 +18,9 @@ namespace kvevict_bench {
 /// (sequence, KV head) of a layer: G score rows of length L per KV head into `rows`
 /// (kv_heads * G * L floats). drift_topk > 0 also computes the adaptive-window drift (as the
 /// ReST-KV preset does with K = B - w). Memory: the per-thread head_scratch the evictor
-/// carves (3 L d + 3 * 32 L + ... floats per thread) plus the output rows.
+/// carves (about 2 L d + 32 (G + 1) L floats per thread: K and V staging, the logits of a block
+/// of G x 32 window rows, phase 3's 32 rows; plus one 256-token projection tile) plus the
+/// output rows.
 template <class Policy, class T>
 struct scorer_stage {
   using Scorer = typename Policy::scorer;

@@ -4,7 +4,8 @@
 //
 // Cost model (per call; "bytes" = every input read once + every output written once, i.e.
 // the traffic a perfect implementation needs; "flops" = useful arithmetic, multiply-add = 2):
-//   window_attention      logits + softmax of the 32 window rows of every query head.
+//   window_attention      logits + softmax of the 32 window rows of every query head (a GQA
+//                         group per call, in place and unnormalised, as the scorers run it).
 //                         bytes = K (8 L d s) + Q (32 w d s); flops = 2 * 32 * w L d.
 //   score_attention_weight  SnapKV scorer alone = window attention + temporal aggregation
 //                         (sum over the rows): + output 32 L * 4 bytes, + 2 * 32 w L flops.
@@ -57,13 +58,14 @@ void BM_window_attention(benchmark::State& st) {
       auto& s = stage.scratch[static_cast<std::size_t>(tid)];
       const T* kbase = in.keys.data + h * in.keys.stride[1];
       kc::detail::cmap_rm K = kc::detail::stage_rows(kbase, L, d, in.keys.stride[2], in.keys.stride[3], s.kbuf);
-      // As score_kv_head: the group's G x w window rows staged (fp32), one block per 32 rows.
+      // As score_kv_head outside ReST-KV's "before" mode: the group's G x w window rows staged
+      // (fp32), one block per 32 rows, the softmax in place over the logits, unnormalised.
       for (std::int64_t j0 = 0; j0 < w; j0 += kc::detail::attention_row_block) {
         const std::int64_t rb = std::min(kc::detail::attention_row_block, w - j0);
         kc::detail::attention_block(kc::detail::stage_group_queries(in, 0, h, G, w, j0, rb, s.qbuf), K, L, w, j0, rb, scale,
-                                    s.logits, s.probs, kc::detail::row_stats{s.st_max, s.st_zo, s.st_arg, s.st_inv});
+                                    s.logits, s.logits, kc::detail::row_stats{s.st_max, s.st_zo, s.st_arg, s.st_inv}, false);
       }
-      benchmark::DoNotOptimize(s.probs);
+      benchmark::DoNotOptimize(s.logits);
     });
     benchmark::ClobberMemory();
   }

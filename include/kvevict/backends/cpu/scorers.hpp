@@ -108,7 +108,7 @@ struct head_scratch {
   float* qbuf = nullptr;   // G * w x d (staged queries)
   float* logits = nullptr; // G rb x cap (a block of window rows of the whole GQA group; the
                            // softmax weights in place, except in "before" mode)
-  float* probs = nullptr;  // G rb x cap ("before" mode: probabilities; phase 3: scratch)
+  float* probs = nullptr;  // "before" mode: G rb x cap probabilities; otherwise rb x cap (phase 3)
   float* cross = nullptr;  // rb x cap  ("before" mode only: one head's cross products)
   float* rowtmp = nullptr; // cap
   float* st_max = nullptr;      // G rb (row statistics of one block, attention_block)
@@ -136,7 +136,7 @@ struct head_scratch {
     dom = c.template carve<std::int64_t>(g1);
     qbuf = c.template carve<float>(static_cast<std::size_t>(G * std::max<std::int64_t>(w, 1) * d));
     logits = c.template carve<float>(g1 * rb * n);
-    probs = c.template carve<float>(g1 * rb * n);
+    probs = c.template carve<float>((full_y ? g1 : 1) * rb * n);  // "before": the group's; else phase 3's (one head)
     cross = c.template carve<float>(full_y ? rb * n : 0);  // "before" mode only
     rowtmp = c.template carve<float>(n);
     const std::size_t ws = static_cast<std::size_t>(std::max<std::int64_t>(w, 1));
@@ -640,6 +640,10 @@ void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows 
               const double a = s.adom[g];
               const double sc = a * std::exp((in_z ? tau - 1.0 : -1.0) * log1m) * std::pow(dist, static_cast<double>(tau));
               out[n0] = saturate(sc * out_scale);
+            } else {
+              // No other token has weight (a head of one visible token): nothing to renormalise,
+              // no contribution, as in "before" mode (phase 2's odds a/(1-a) saturated here).
+              out[n0] = 0.0f;
             }
           }
         }

@@ -107,8 +107,9 @@ inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, 
       }
       mx = Eigen::Map<const Eigen::ArrayXf>(l, vis).maxCoeff();
     }
-    // The first occurrence of the row maximum: the argmax, lowest index on ties.
-    const std::int64_t am = first_equal(l, vis, mx);
+    // The first occurrence of the row maximum: the argmax, lowest index on ties (not found only
+    // in a row of NaN, possible with check_finite = false: stay inside the row).
+    const std::int64_t am = std::min(first_equal(l, vis, mx), vis - 1);
     // p = exp(l - mx) and the sum of the others' weights, chunk by chunk (each chunk is summed
     // while it is in L1); p[am] = exp(0) = 1 is left out of the sum.
     double zo = 0.0;
