@@ -23,34 +23,6 @@ using kvtest::scorer_kind;
 using kvtest::spatial_kind;
 namespace kv = kvevict;
 
-namespace {
-
-/// LOR with EMA and no spatial smoothing: the raw (temporal-smoothed) score reaches maybe_scores.
-using lor_plain = kv::eviction_policy<kv::scorers::output_reconstruction, kv::temporal::ema, kv::spatial::none>;
-
-ref_config lor_cfg(bool before, bool use_wo, bool include_window, kvref::lor_eval ev) {
-  ref_config c;
-  c.scorer = scorer_kind::lor;
-  c.temporal = kvref::temporal_kind::ema;
-  c.alpha = static_cast<double>(0.3f);
-  c.before = before;
-  c.use_wo = use_wo;
-  c.include_window = include_window;
-  c.eval = ev;
-  return c;
-}
-
-lor_plain::params lor_params(bool before, bool use_wo, bool include_window, float tau = 1.0f) {
-  auto p = lor_plain::defaults();
-  p.scorer.aggregation = before ? kv::scorers::output_reconstruction::mode::before : kv::scorers::output_reconstruction::mode::after;
-  p.scorer.use_wo = use_wo;
-  p.scorer.include_window_in_output = include_window;
-  p.scorer.tau = tau;
-  return p;
-}
-
-}  // namespace
-
 TEST_CASE("reference self-check: Eq. 7 (straightforward and exact) equals brute-force removal") {
   kvtest::rng r(1);
   for (int it = 0; it < 20; ++it) {
@@ -123,7 +95,7 @@ TEST_CASE_TEMPLATE("LOR with one query equals brute-force removal (value space a
       CAPTURE(use_wo);
       CAPTURE(before);
       CAPTURE(incl);
-      kv::evictor<lor_plain, kv::cpu::backend> ev(lor_params(before, use_wo, incl));
+      kv::evictor<kvtest::lor_plain, kv::cpu::backend> ev(kvtest::lor_plain_params(before, use_wo, incl));
       auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(10));
       REQUIRE(lib.st.ok());
       // compare the reduced rows (mean over the group) with the mean of the brute-force rows
@@ -165,7 +137,7 @@ TEST_CASE("LOR per query head, one query: the library row equals brute force tok
     for (bool before : {false, true}) {
       CAPTURE(use_wo);
       CAPTURE(before);
-      kv::evictor<lor_plain, kv::cpu::backend> ev(lor_params(before, use_wo, true));
+      kv::evictor<kvtest::lor_plain, kv::cpu::backend> ev(kvtest::lor_plain_params(before, use_wo, true));
       auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(5));
       REQUIRE(lib.st.ok());
       std::vector<double> bf;
@@ -195,10 +167,10 @@ TEST_CASE_TEMPLATE("LOR over a window (after, before, include_window, tau) vs th
     kvtest::quantize<T>(p);
     kvtest::stored<T> st;
     kvtest::store(p, layout::nhd, st);
-    kv::evictor<lor_plain, kv::cpu::backend> ev(lor_params(before, use_wo, incl, tau));
+    kv::evictor<kvtest::lor_plain, kv::cpu::backend> ev(kvtest::lor_plain_params(before, use_wo, incl, tau));
     auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(25));
     for (auto eval : {kvref::lor_eval::straightforward, kvref::lor_eval::exact}) {
-      auto c = lor_cfg(before, use_wo, incl, eval);
+      auto c = kvtest::lor_ref_config(before, use_wo, incl, 1.0, eval);
       c.tau = tau;
       c.keep_tokens = 25;
       int sets = 0;
@@ -256,12 +228,12 @@ TEST_CASE_TEMPLATE("dominant token (logit gap 40 and 150): finite, ranked first,
       kvtest::problem p = dominant_problem<T>(s, n0, gap, 2300 + static_cast<std::uint64_t>(mode));
       kvtest::stored<T> st;
       kvtest::store(p, layout::nhd, st);
-      auto params = lor_params(before, use_wo, false);
+      auto params = kvtest::lor_plain_params(before, use_wo, false);
       params.gqa = kv::gqa_reduction::per_query_head;
-      kv::evictor<lor_plain, kv::cpu::backend> ev(params);
+      kv::evictor<kvtest::lor_plain, kv::cpu::backend> ev(params);
       auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(12));
       REQUIRE(lib.st.ok());
-      auto c = lor_cfg(before, use_wo, false, kvref::lor_eval::exact);
+      auto c = kvtest::lor_ref_config(before, use_wo, false, 1.0, kvref::lor_eval::exact);
       c.gqa = kvref::gqa_kind::per_query_head;
       c.keep_tokens = 12;
       const auto ref = kvtest::reference_run(p, c);
@@ -311,13 +283,13 @@ TEST_CASE("dominant WINDOW token left out of z (fewer recent tokens protected th
       kvtest::problem p = dominant_problem<float>(s, s.cap - 1, gap, 2450);  // the query's own token
       kvtest::stored<float> st;
       kvtest::store(p, layout::nhd, st);
-      auto params = lor_params(false, use_wo, false);
+      auto params = kvtest::lor_plain_params(false, use_wo, false);
       params.selector.num_recent = 0;
       params.gqa = kv::gqa_reduction::per_query_head;
-      kv::evictor<lor_plain, kv::cpu::backend> ev(params);
+      kv::evictor<kvtest::lor_plain, kv::cpu::backend> ev(params);
       auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(5));
       REQUIRE(lib.st.ok());
-      auto c = lor_cfg(false, use_wo, false, kvref::lor_eval::exact);
+      auto c = kvtest::lor_ref_config(false, use_wo, false, 1.0, kvref::lor_eval::exact);
       c.gqa = kvref::gqa_kind::per_query_head;
       c.num_recent = 0;
       c.keep_tokens = 5;
@@ -353,7 +325,7 @@ TEST_CASE("dominant token through the full ReST-KV preset: kept, finite scores, 
     // top-(B-w) drift statistic is a tie among zeros there (precision-dependent, also in the
     // reference code); the smoothed scores are compared with fp64 only at gap 40.
     if (gap < 100) {
-      ref_config c = lor_cfg(false, true, false, kvref::lor_eval::exact);
+      ref_config c = kvtest::lor_ref_config(false, true, false, 1.0, kvref::lor_eval::exact);
       c.spatial = spatial_kind::adaptive;
       c.keep_tokens = 16;
       const std::string diff = kvtest::compare(lib, kvtest::reference_run(p, c));
@@ -514,12 +486,12 @@ TEST_CASE("LOR after mode over several lor_token_tile tiles (ragged lengths, GQA
     kvtest::quantize<float>(p);
     kvtest::stored<float> st;
     kvtest::store(p, hnd ? layout::hnd : layout::nhd, st);
-    auto prm = lor_params(false, use_wo, incl);
+    auto prm = kvtest::lor_plain_params(false, use_wo, incl);
     prm.gqa = kv::gqa_reduction::per_query_head;
-    kv::evictor<lor_plain, kv::cpu::backend> ev(prm);
+    kv::evictor<kvtest::lor_plain, kv::cpu::backend> ev(prm);
     auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(100));
     REQUIRE_MESSAGE(lib.st.ok(), lib.st.message());
-    auto c = lor_cfg(false, use_wo, incl, kvref::lor_eval::exact);
+    auto c = kvtest::lor_ref_config(false, use_wo, incl, 1.0, kvref::lor_eval::exact);
     c.gqa = kvref::gqa_kind::per_query_head;
     c.keep_tokens = 100;
     int sets = 0;

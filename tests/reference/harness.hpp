@@ -244,6 +244,36 @@ struct ref_config {
   double first_stage_ratio = 0.5, eps = 1e-4;
 };
 
+/// ReST-KV's LOR scorer with EMA and no spatial smoothing: the raw (temporal-smoothed) score
+/// reaches maybe_scores, and score_kv_head's rows are the per-query-head reference rows.
+using lor_plain = kvevict::eviction_policy<kvevict::scorers::output_reconstruction, kvevict::temporal::ema, kvevict::spatial::none>;
+
+/// The fp64 reference configuration of lor_plain with these options (EMA alpha 0.3 as fp32).
+inline ref_config lor_ref_config(bool before, bool use_wo, bool include_window, double tau = 1.0,
+                                 kvref::lor_eval ev = kvref::lor_eval::exact) {
+  ref_config c;
+  c.scorer = scorer_kind::lor;
+  c.temporal = kvref::temporal_kind::ema;
+  c.alpha = static_cast<double>(0.3f);
+  c.before = before;
+  c.use_wo = use_wo;
+  c.include_window = include_window;
+  c.tau = tau;
+  c.eval = ev;
+  return c;
+}
+
+/// lor_plain's parameters with these options (the library side of lor_ref_config).
+inline lor_plain::params lor_plain_params(bool before, bool use_wo, bool include_window, float tau = 1.0f) {
+  auto p = lor_plain::defaults();
+  p.scorer.aggregation = before ? kvevict::scorers::output_reconstruction::mode::before
+                                : kvevict::scorers::output_reconstruction::mode::after;
+  p.scorer.use_wo = use_wo;
+  p.scorer.include_window_in_output = include_window;
+  p.scorer.tau = tau;
+  return p;
+}
+
 struct ref_row {
   kvref::head_plan plan;
   std::int64_t budget = 0;

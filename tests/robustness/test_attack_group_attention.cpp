@@ -41,7 +41,7 @@ using kvtest::scorer_kind;
 namespace {
 
 using aw_ema = kv::eviction_policy<kv::scorers::attention_weight, kv::temporal::ema, kv::spatial::none>;
-using lor_plain = kv::eviction_policy<kv::scorers::output_reconstruction, kv::temporal::ema, kv::spatial::none>;
+using kvtest::lor_plain;
 
 /// A Carver for head_scratch::carve that gives every carve its own allocation: NaN bytes (0xFF)
 /// inside, guard bytes around it. check() names the first carve whose guard changed.
@@ -249,28 +249,6 @@ drift_cache make_drift_cache(const kvtest::problem& p) {
   return drift_cache(static_cast<std::size_t>(p.s.batch * p.s.q_heads()));
 }
 
-ref_config lor_ref(bool before, bool use_wo, bool incl, double tau = 1.0) {
-  ref_config c;
-  c.scorer = scorer_kind::lor;
-  c.temporal = kvref::temporal_kind::ema;
-  c.alpha = static_cast<double>(0.3f);
-  c.before = before;
-  c.use_wo = use_wo;
-  c.include_window = incl;
-  c.tau = tau;
-  c.eval = kvref::lor_eval::exact;
-  return c;
-}
-
-lor_plain::params lor_prm(bool before, bool use_wo, bool incl, float tau = 1.0f) {
-  auto p = lor_plain::defaults();
-  p.scorer.aggregation = before ? kv::scorers::output_reconstruction::mode::before : kv::scorers::output_reconstruction::mode::after;
-  p.scorer.use_wo = use_wo;
-  p.scorer.include_window_in_output = incl;
-  p.scorer.tau = tau;
-  return p;
-}
-
 ref_config aw_ref() {
   ref_config c;
   c.scorer = scorer_kind::attention_weight;
@@ -319,17 +297,17 @@ void check_all_scorers(const kvtest::problem& p, const kvtest::stored<T>& st, di
   for (int mode = 0; mode < 4; ++mode) {  // "after": use_wo x include_window (tau 2 with both)
     const bool use_wo = mode % 2 == 1, incl = mode >= 2;
     const float tau = mode == 3 ? 2.0f : 1.0f;
-    const auto r = run_direct<lor_plain>(lor_prm(false, use_wo, incl, tau), in, true);
+    const auto r = run_direct<lor_plain>(kvtest::lor_plain_params(false, use_wo, incl, tau), in, true);
     // A head of ONE token (L = w = 1): a_bar = 1 with no other weight, nothing to renormalise;
     // the score is 0 as in the reference (phase 3; it saturated to FLT_MAX before 2026-12-01).
-    const std::string diff = compare_direct(r, p, lor_ref(false, use_wo, incl, tau), true, stats, &dc,
+    const std::string diff = compare_direct(r, p, kvtest::lor_ref_config(false, use_wo, incl, tau), true, stats, &dc,
                                             [](std::int64_t, std::int64_t, std::int64_t) { return false; });
     CHECK_MESSAGE(diff.empty(), "lor after (use_wo " << use_wo << ", include_window " << incl << ", tau " << tau << "): " << diff);
   }
   if (with_lor_before)
     for (bool use_wo : {false, true}) {
-      const auto r = run_direct<lor_plain>(lor_prm(true, use_wo, false), in, true);
-      const std::string diff = compare_direct(r, p, lor_ref(true, use_wo, false), true, stats, &dc);
+      const auto r = run_direct<lor_plain>(kvtest::lor_plain_params(true, use_wo, false), in, true);
+      const std::string diff = compare_direct(r, p, kvtest::lor_ref_config(true, use_wo, false), true, stats, &dc);
       CHECK_MESSAGE(diff.empty(), "lor before (use_wo " << use_wo << "): " << diff);
     }
 }
@@ -511,12 +489,12 @@ TEST_CASE("score_kv_head with logits not finite in fp32 in one head of a group (
         // row 37 on n1.
         for (int mode = 0; mode < 4; ++mode) {
           const bool use_wo = mode % 2 == 1, before = mode >= 2;
-          const auto r = run_direct<lor_plain>(lor_prm(before, use_wo, false), st.in, true);
+          const auto r = run_direct<lor_plain>(kvtest::lor_plain_params(before, use_wo, false), st.in, true);
           // "before": a row that is one-hot in fp64 (the others' weights e^-2.8e38 = 0) has the
           // limit a ||R(z_-n - v_n)|| at its argmax (the library's exact path), which fp64
           // underflows to 0: n0 and n1 of that head are only checked finite there.
           const std::string diff =
-              compare_direct(r, p, lor_ref(before, use_wo, false), true, &stats, &dc, [&](std::int64_t, std::int64_t hq, std::int64_t n) {
+              compare_direct(r, p, kvtest::lor_ref_config(before, use_wo, false), true, &stats, &dc, [&](std::int64_t, std::int64_t hq, std::int64_t n) {
                 return before && hq == gbig && (n == a.n0 || n == a.n1);
               });
           CHECK_MESSAGE(diff.empty(), "lor (before " << before << ", use_wo " << use_wo << "): " << diff);
@@ -550,8 +528,8 @@ TEST_CASE("score_kv_head with a dominant token (+40, +150) in one head of a grou
           CAPTURE(use_wo);
           CAPTURE(before);
           CAPTURE(incl);
-          const auto r = run_direct<lor_plain>(lor_prm(before, use_wo, incl), st.in, true);
-          const std::string diff = compare_direct(r, p, lor_ref(before, use_wo, incl), true, &stats, &dc);
+          const auto r = run_direct<lor_plain>(kvtest::lor_plain_params(before, use_wo, incl), st.in, true);
+          const std::string diff = compare_direct(r, p, kvtest::lor_ref_config(before, use_wo, incl), true, &stats, &dc);
           CHECK_MESSAGE(diff.empty(), diff);
           if (!diff.empty()) continue;
           // The dominant head ranks n0 first with a finite positive score equal to fp64 (1e-4).
@@ -559,7 +537,7 @@ TEST_CASE("score_kv_head with a dominant token (+40, +150) in one head of a grou
           const std::int64_t am = std::max_element(row.begin(), row.begin() + (L - W)) - row.begin();
           CHECK(am == n0);
           double unused = 0.0;
-          const auto want = kvtest::reference_head_scores(p, lor_ref(before, use_wo, incl), 0, 0, gdom, 0, &unused);
+          const auto want = kvtest::reference_head_scores(p, kvtest::lor_ref_config(before, use_wo, incl), 0, 0, gdom, 0, &unused);
           CHECK(row[static_cast<std::size_t>(n0)] > 0.0f);
           CHECK(static_cast<double>(row[static_cast<std::size_t>(n0)]) == doctest::Approx(want[static_cast<std::size_t>(n0)]).epsilon(1e-4));
         }
@@ -622,7 +600,7 @@ TEST_CASE("presets through the evictor over several row blocks and key tiles vs 
         const kv::budget_request budget = kv::budget_request::tokens(static_cast<std::int32_t>(L / 4));
         kv::evictor<kv::presets::restkv, kv::cpu::backend> ev;
         const auto lib = kvtest::run_lib(ev, st.in, budget);
-        ref_config c = lor_ref(false, true, false);
+        ref_config c = kvtest::lor_ref_config(false, true, false);
         c.spatial = kvtest::spatial_kind::adaptive;
         c.beta = 2000.0;
         c.k_min = 5;
