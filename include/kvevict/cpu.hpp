@@ -1,10 +1,12 @@
-// kvevict CPU backend (Eigen 3.4): evictor<Policy, cpu::backend>, compaction, W_O factors.
+// kvevict CPU backend (Eigen 3.4): evictor<Policy, cpu::backend>, compaction, W_O factors, and
+// the CPU implementation of every built-in stage (backends/cpu/impl.hpp lists the traits).
 #pragma once
 
 #include "kvevict/kvevict.hpp"
 #include "kvevict/backends/cpu/backend.hpp"
 #include "kvevict/backends/cpu/compact.hpp"
 #include "kvevict/backends/cpu/evictor.hpp"
+#include "kvevict/backends/cpu/impl.hpp"
 #include "kvevict/backends/cpu/scorers.hpp"
 #include "kvevict/backends/cpu/select.hpp"
 #include "kvevict/backends/cpu/smoothers.hpp"

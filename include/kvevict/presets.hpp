@@ -6,7 +6,7 @@
 //   params.spatial.k_min = 21;              // the RULER setting
 #pragma once
 
-#include "kvevict/core/policy.hpp"
+#include "kvevict/policies/policy.hpp"
 #include "kvevict/policies/learned.hpp"
 
 namespace kvevict {

@@ -1,6 +1,8 @@
 // IWYU pragma: private, include "kvevict/kvevict.hpp"
 // Budget arithmetic shared by every budgeter, the selector and every backend: one documented
 // rule for base budgets, protected tokens and pass-through (docs/semantics.md).
+// `Protection` is any type with the protection fields of selectors::topk::params
+// (int32 num_sink, int32 num_recent, float recent_share); core/ names no policy type.
 #pragma once
 
 #include <cmath>
@@ -8,13 +10,13 @@
 
 #include "kvevict/core/config.hpp"
 #include "kvevict/core/selection.hpp"
-#include "kvevict/policies/selectors.hpp"
 
 namespace kvevict {
 namespace detail {
 
 /// Protected recent tokens requested for base budget B and window W (before clamping to L).
-KVEVICT_HOST_DEVICE inline std::int64_t requested_recent(const selectors::topk::params& sp, std::int64_t base_budget,
+template <class Protection>
+KVEVICT_HOST_DEVICE inline std::int64_t requested_recent(const Protection& sp, std::int64_t base_budget,
                                                          std::int64_t window) {
   if (sp.recent_share >= 0.0f) {
     const std::int64_t free = base_budget - sp.num_sink;
@@ -37,7 +39,8 @@ struct head_plan {
 };
 
 /// Plan for a head of length L. Assumes the request was validated (validate_budget()).
-KVEVICT_HOST_DEVICE inline head_plan plan_head(const budget_request& req, const selectors::topk::params& sp,
+template <class Protection>
+KVEVICT_HOST_DEVICE inline head_plan plan_head(const budget_request& req, const Protection& sp,
                                                std::int64_t length, std::int64_t window) {
   head_plan h;
   h.length = length;

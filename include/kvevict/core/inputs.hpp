@@ -1,6 +1,8 @@
 // IWYU pragma: private, include "kvevict/kvevict.hpp"
-// The inputs of one eviction step for one layer, and the backend-neutral validation of shapes
-// and parameters (data-dependent checks such as NaN scans live in the backends).
+// The inputs of one eviction step for one layer, and the backend-neutral validation of their
+// shapes against what a method reads (input_requirements). Policy-aware validation (parameters,
+// composition rules) is the front-end's (frontend/frontend.hpp); data-dependent checks such as NaN
+// scans live in the backends.
 #pragma once
 
 #include <cmath>
@@ -9,7 +11,6 @@
 
 #include "kvevict/core/budget_rules.hpp"
 #include "kvevict/core/numeric.hpp"
-#include "kvevict/core/policy.hpp"
 #include "kvevict/core/selection.hpp"
 #include "kvevict/core/status.hpp"
 #include "kvevict/core/tensor_view.hpp"
@@ -75,8 +76,11 @@ inline status check_view_strides(const V& v, const char* name) {
   return {};
 }
 
-/// Validate a budget request against the selector parameters and the window.
-inline status validate_budget(const budget_request& b, const selectors::topk::params& sp, std::int64_t window) {
+/// Validate a budget request against the selector's protection parameters (`Protection`: any
+/// type with int32 num_sink, int32 num_recent, float recent_share, as selectors::topk::params)
+/// and the window.
+template <class Protection>
+inline status validate_budget(const budget_request& b, const Protection& sp, std::int64_t window) {
   const bool tok = b.keep_tokens != 0;
   const bool frac = b.keep_fraction != 0.0;
   if (tok && frac)
@@ -100,19 +104,22 @@ inline status validate_budget(const budget_request& b, const selectors::topk::pa
   return {};
 }
 
-/// Shape/parameter validation shared by every backend. `Policy` is an eviction_policy.
-template <class Policy, class T>
-inline status validate_layer_inputs(const layer_inputs<T>& in, const typename Policy::params& p,
-                                    const budget_request& budget) {
-  using Scorer = typename Policy::scorer;
+/// What a method reads from layer_inputs (filled by the front-end from the policy's stages).
+struct input_requirements {
+  const char* scorer_name = "";  ///< for the error messages
+  bool needs_queries = false;    ///< queries must be set
+  bool needs_values = false;     ///< values must be set
+  bool needs_wo_factor = false;  ///< wo_factor (q_heads, d, d) must be set
+  bool needs_wo_matrix = false;  ///< wo (hidden, q_heads * d) must be set
+  bool per_query_head = false;   ///< gqa_reduction::per_query_head: q_heads comes from the queries
+};
+
+/// Shape validation shared by every backend: null pointers, extents, strides, the agreement of
+/// every view with keys, layer_idx / num_layers. The first error names the view and the value.
+/// Reads no data (lengths are checked by the front-end or on the device).
+template <class T>
+inline status validate_layer_shapes(const layer_inputs<T>& in, const input_requirements& rq) {
   static_assert(is_storage_type_v<T>, "kvevict: T must be float, half_t or bfloat16_t");
-  static_assert(!std::is_same<typename Policy::selector, selectors::two_stage>::value || scorer_secondary<Scorer>::value,
-                "kvevict: selectors::two_stage (CriticalKV) ranks its second stage by a secondary score row; use it "
-                "with scorers::attention_value_norm (or presets::criticalkv)");
-  static_assert(!scorer_secondary<Scorer>::value || std::is_same<typename Policy::selector, selectors::two_stage>::value,
-                "kvevict: scorers::attention_value_norm computes a secondary row (||v W_O^h||_1) that only "
-                "selectors::two_stage reads; use them together (presets::criticalkv)");
-  KVEVICT_TRY(Policy::check(p));
   if (!in.keys.data) return status::error(errc::null_pointer, "keys.data is null");
   KVEVICT_TRY(check_view_strides(in.keys, "keys"));
   if (in.keys.extent[0] < 1 || in.keys.extent[1] < 1 || in.keys.extent[3] < 1)
@@ -121,8 +128,8 @@ inline status validate_layer_inputs(const layer_inputs<T>& in, const typename Po
                          static_cast<long long>(in.keys.extent[2]), static_cast<long long>(in.keys.extent[3]));
   if (in.keys.extent[2] > 0x7fffffff)
     return status::error(errc::invalid_argument, "keys seq extent = %lld exceeds int32 indices", static_cast<long long>(in.keys.extent[2]));
-  const bool need_v = Scorer::needs_values;
-  if (need_v && !in.values.data) return status::error(errc::null_pointer, "values.data is null (scorer %s reads V)", Scorer::name);
+  if (rq.needs_values && !in.values.data)
+    return status::error(errc::null_pointer, "values.data is null (scorer %s reads V)", rq.scorer_name);
   if (in.values.data) {
     KVEVICT_TRY(check_view_strides(in.values, "values"));
     for (int k = 0; k < 4; ++k)
@@ -130,8 +137,8 @@ inline status validate_layer_inputs(const layer_inputs<T>& in, const typename Po
         return status::error(errc::shape_mismatch, "values.extent[%d] = %lld != keys.extent[%d] = %lld", k,
                              static_cast<long long>(in.values.extent[k]), k, static_cast<long long>(in.keys.extent[k]));
   }
-  if (Scorer::needs_queries && !in.queries.data)
-    return status::error(errc::null_pointer, "queries.data is null (scorer %s reads the window queries)", Scorer::name);
+  if (rq.needs_queries && !in.queries.data)
+    return status::error(errc::null_pointer, "queries.data is null (scorer %s reads the window queries)", rq.scorer_name);
   if (in.queries.data) {
     KVEVICT_TRY(check_view_strides(in.queries, "queries"));
     if (in.queries.extent[0] != in.keys.extent[0])
@@ -149,9 +156,9 @@ inline status validate_layer_inputs(const layer_inputs<T>& in, const typename Po
       return status::error(errc::invalid_argument, "window = %lld > seq_len = %lld (the window queries' keys must be cached)",
                            static_cast<long long>(in.queries.extent[2]), static_cast<long long>(in.keys.extent[2]));
   }
-  if (p.gqa == gqa_reduction::per_query_head && !in.queries.data)
+  if (rq.per_query_head && !in.queries.data)
     return status::error(errc::invalid_argument, "gqa = per_query_head needs the queries (for q_heads)");
-  if (Scorer::needs_wo_factor(p.scorer)) {
+  if (rq.needs_wo_factor) {
     if (!in.wo_factor.data)
       return status::error(errc::null_pointer, "wo_factor.data is null (scorer.use_wo = true needs the W_O factor; "
                                                "set scorer.use_wo = false for value space)");
@@ -163,12 +170,12 @@ inline status validate_layer_inputs(const layer_inputs<T>& in, const typename Po
                            static_cast<long long>(in.wo_factor.extent[2]), static_cast<long long>(in.q_heads()),
                            static_cast<long long>(in.head_dim()), static_cast<long long>(in.head_dim()));
   }
-  if (scorer_needs_wo_matrix<Scorer>::value) {
+  if (rq.needs_wo_matrix) {
     if (!in.wo.data)
       return status::error(errc::null_pointer,
                            "wo.data is null (scorer %s projects the values through the layer's output projection: set "
                            "layer_inputs::wo to W_O as (hidden, q_heads * head_dim), [out][in])",
-                           Scorer::name);
+                           rq.scorer_name);
     KVEVICT_TRY(check_view_strides(in.wo, "wo"));
     if (in.wo.extent[0] > 0x7fffffff)  // the scorer's workspace holds 64 x hidden floats per thread
       return status::error(errc::invalid_argument, "wo.extent[0] = %lld (hidden) exceeds int32", static_cast<long long>(in.wo.extent[0]));
@@ -194,7 +201,6 @@ inline status validate_layer_inputs(const layer_inputs<T>& in, const typename Po
   }
   if (in.num_layers < 1 || in.layer_idx < 0 || in.layer_idx >= in.num_layers)
     return status::error(errc::invalid_argument, "layer_idx = %d must be in [0, num_layers = %d)", in.layer_idx, in.num_layers);
-  KVEVICT_TRY(validate_budget(budget, p.selector, in.window()));
   return {};
 }
 

@@ -87,6 +87,10 @@ struct pyramid {
     if (deficit > 0 && rank < deficit) v += 1;
     return v < 0 ? 0 : (v > C ? C : v);
   }
+  /// The largest head_budget of any layer for base budget B (the shallowest layer keeps at most
+  /// 2P - min <= 2B candidates plus its protected tokens): bounds a selection before the lengths
+  /// are known (the CUDA backend's max_selected without host lengths).
+  static std::int64_t max_head_budget(const params&, std::int64_t B) { return 2 * B + 1; }
   KVEVICT_HOST_DEVICE static std::int64_t head_budget(const params& p, const detail::head_plan& h, int layer,
                                                       int num_layers) {
     if (h.pass_through) return h.length;

@@ -64,6 +64,8 @@ struct two_stage {
     float eps = 1e-4f;               ///< added to a before the product, finite and >= 0
   };
   static constexpr const char* name = "two_stage";
+  /// Ranks the scorer's secondary row (the front-end pairs it with a scorer that writes one).
+  static constexpr bool reads_secondary_scores = true;
   static status check(const params& p) {
     KVEVICT_TRY(topk::check(p));
     if (!(p.first_stage_ratio >= 0.0f && p.first_stage_ratio <= 1.0f))

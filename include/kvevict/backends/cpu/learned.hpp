@@ -77,7 +77,7 @@ inline status score_tokens(const scorers::learned_mlp::params& p, int layer, std
     return status::error(errc::invalid_argument, "length = %lld must be >= 0 and row_stride = %lld >= head_dim = %d",
                          static_cast<long long>(length), static_cast<long long>(row_stride), p.head_dim);
   if (length > 0 && (!keys || !values || !out)) return status::error(errc::null_pointer, "keys, values or out is null");
-  scorers::learned_mlp::score_rows(p, layer, kv_head, keys, values, length, row_stride, out);
+  cpu::learned_mlp_rows::score_rows(p, layer, kv_head, keys, values, length, row_stride, out);
   return {};
 }
 

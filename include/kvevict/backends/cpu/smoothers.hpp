@@ -1,109 +1,58 @@
 // IWYU pragma: private, include "kvevict/cpu.hpp"
-// CPU implementations of the spatial smoothers over a score row x[0, n) (in place via `tmp`).
-// All are O(n) whatever the kernel width: prefix sums in fp64 for the averages, a monotonic
-// deque for the max.
+// The CPU implementations of the spatial smoothers (cpu::spatial_impl<Spatial>, one file each
+// under backends/cpu/spatial/), the legacy smooth() hook of a user's smoother, and smooth_row,
+// the call the evictor and the tests make.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
-#include "kvevict/policies/spatial.hpp"
+#include "kvevict/backends/cpu/impl.hpp"
+#include "kvevict/backends/cpu/spatial/adaptive_window.hpp"
+#include "kvevict/backends/cpu/spatial/avg_pool.hpp"
+#include "kvevict/backends/cpu/spatial/filters.hpp"
+#include "kvevict/backends/cpu/spatial/max_pool.hpp"
+#include "kvevict/backends/cpu/spatial/none.hpp"
 
 namespace kvevict {
 namespace cpu {
 namespace detail {
 
+/// A user smoother's legacy CPU hook: static void smooth(const params&, const float* in, float* out, int64 n).
 template <class S, class = void>
 struct has_smooth_hook : std::false_type {};
 template <class S>
 struct has_smooth_hook<S, std::void_t<decltype(S::smooth(std::declval<const typename S::params&>(), std::declval<const float*>(),
                                                          std::declval<float*>(), std::int64_t{}))>> : std::true_type {};
 
-/// y[i] = (1/k) * sum_{j=i-k/2+s}^{i+k/2+s} x'[j], x'[j] = x[j] inside, outside: 0 (zero
-/// padding) or x[clamp(j)] (replicate). `pre` is n+1 doubles of scratch.
-inline void box_filter(const float* x, float* y, std::int64_t n, std::int64_t k, std::int64_t shift, bool replicate,
-                       double* pre) {
-  if (n <= 0) return;
-  const std::int64_t half = k / 2;
-  auto padded = [&](std::int64_t j) -> double {
-    if (j < 0) return replicate ? static_cast<double>(x[0]) : 0.0;
-    if (j > n - 1) return replicate ? static_cast<double>(x[n - 1]) : 0.0;
-    return static_cast<double>(x[j]);
-  };
-  if (k <= 64) {
-    // Narrow kernels (SnapKV 5..7, AWS k_min 5..21): each window summed directly in fp64, so a
-    // tiny score next to a huge one (an attention sink) is not lost to prefix-sum cancellation.
-    for (std::int64_t i = 0; i < n; ++i) {
-      double s = 0.0;
-      for (std::int64_t j = i - half + shift; j <= i + half + shift; ++j) s += padded(j);
-      y[i] = static_cast<float>(s / static_cast<double>(k));
-    }
-    return;
-  }
-  pre[0] = 0.0;
-  for (std::int64_t i = 0; i < n; ++i) pre[i + 1] = pre[i] + x[i];
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::int64_t lo = i - half + shift, hi = i + half + shift;  // inclusive
-    const std::int64_t a = std::max<std::int64_t>(lo, 0), c = std::min<std::int64_t>(hi, n - 1);
-    double s = a <= c ? pre[c + 1] - pre[a] : 0.0;
-    if (replicate) {
-      if (lo < 0) s += static_cast<double>(std::min<std::int64_t>(-lo, k)) * x[0];
-      if (hi > n - 1) s += static_cast<double>(std::min<std::int64_t>(hi - (n - 1), k)) * x[n - 1];
-    }
-    y[i] = static_cast<float>(s / static_cast<double>(k));
-  }
-}
+}  // namespace detail
 
-/// Centred sliding max of odd width k, -inf padding. `dq` is n int64 of scratch.
-inline void max_filter(const float* x, float* y, std::int64_t n, std::int64_t k, std::int64_t* dq) {
-  const std::int64_t half = k / 2;
-  std::int64_t head = 0, tail = 0, next = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::int64_t hi = std::min<std::int64_t>(i + half, n - 1);
-    while (next <= hi) {
-      while (tail > head && !(x[dq[tail - 1]] > x[next])) --tail;
-      dq[tail++] = next++;
-    }
-    while (dq[head] < i - half) ++head;
-    y[i] = x[dq[head]];
-  }
-}
-
-/// Apply spatial smoother S to x[0, n) in place. `drift` is the adaptive-window statistic t.
-/// Scratch: tmp (n floats), pre (n+1 doubles), dq (n int64).
+/// A smoother with the legacy hook needs no specialisation: its output is sanitised (NaN ranks
+/// below everything, +-inf saturated to +-FLT_MAX) and copied back.
 template <class S>
-inline void smooth_row(const typename S::params& p, float* x, std::int64_t n, double drift, float* tmp, double* pre,
-                       std::int64_t* dq) {
-  if (n <= 0) return;
-  if constexpr (std::is_same<S, spatial::none>::value) {
-    (void)p;
-    (void)drift;
-    (void)tmp;
-    (void)pre;
-    (void)dq;
-    return;
-  } else if constexpr (std::is_same<S, spatial::avg_pool>::value) {
-    box_filter(x, tmp, n, p.kernel, 0, false, pre);
-  } else if constexpr (std::is_same<S, spatial::max_pool>::value) {
-    max_filter(x, tmp, n, p.kernel, dq);
-  } else if constexpr (std::is_same<S, spatial::adaptive_window>::value) {
-    std::int64_t k, s;
-    spatial::adaptive_window::kernel_and_shift(p, drift, &k, &s);
-    box_filter(x, tmp, n, k, s, true, pre);
-  } else if constexpr (has_smooth_hook<S>::value) {
+struct spatial_impl<S, std::enable_if_t<detail::has_smooth_hook<S>::value>> {
+  static void smooth(const typename S::params& p, float* x, std::int64_t n, double, float* tmp, double*, std::int64_t*) {
+    if (n <= 0) return;
     S::smooth(p, x, tmp, n);
     for (std::int64_t i = 0; i < n; ++i)
       if (!(tmp[i] == tmp[i])) tmp[i] = -std::numeric_limits<float>::max();
       else if (tmp[i] > std::numeric_limits<float>::max()) tmp[i] = std::numeric_limits<float>::max();
       else if (tmp[i] < -std::numeric_limits<float>::max()) tmp[i] = -std::numeric_limits<float>::max();
-  } else {
-    static_assert(kvevict::detail::dependent_false<S>,
-                  "kvevict: this spatial smoother has no CPU implementation (give it a static "
-                  "smooth(params, const float* in, float* out, int64_t n) hook)");
+    std::copy(tmp, tmp + n, x);
   }
-  std::copy(tmp, tmp + n, x);
+};
+
+namespace detail {
+
+/// Apply spatial smoother S to x[0, n) in place (cpu::spatial_impl<S>). `drift` is the
+/// adaptive-window statistic t. Scratch: tmp (n floats), pre (n+1 doubles), dq (n int64).
+template <class S>
+inline void smooth_row(const typename S::params& p, float* x, std::int64_t n, double drift, float* tmp, double* pre,
+                       std::int64_t* dq) {
+  spatial_impl<S>::smooth(p, x, n, drift, tmp, pre, dq);
 }
 
 }  // namespace detail

@@ -1,0 +1,142 @@
+// IWYU pragma: private, include "kvevict/cpu.hpp"
+// The CPU backend's implementation traits: one per stage. evictor<Policy, cpu::backend> runs a
+// policy's stages through them and names no policy type itself.
+//
+//   cpu::scorer_impl<Scorer>       scores of one (sequence, KV head), G rows (backends/cpu/scorers/)
+//   cpu::temporal_impl<Temporal>   the window-row weights c_j (any linear smoother with weight())
+//   cpu::spatial_impl<Spatial>     smoothing of one score row (backends/cpu/smoothers.hpp)
+//   cpu::budgeter_impl<Budgeter>   score-driven budgets after scoring (AdaKV; backends/cpu/select.hpp)
+//   cpu::selector_impl<Selector>   the kept slots of one row (backends/cpu/select.hpp)
+//   GQA reduction                  a runtime choice, not a type: backends/cpu/gqa_reduce.hpp
+//
+// A built-in policy specialises its trait in a file of its own; a user's policy does the same
+// (examples/custom_policy.cpp). A policy without a specialisation fails to compile at the call
+// site with a message naming the stage and the backend; the compiler's "required from" note
+// names the policy type.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "kvevict/backends/cpu/backend.hpp"
+#include "kvevict/core/budget_rules.hpp"
+#include "kvevict/core/config.hpp"
+#include "kvevict/core/inputs.hpp"
+#include "kvevict/core/status.hpp"
+
+namespace kvevict {
+namespace cpu {
+
+namespace detail {
+struct head_scratch;  // per-thread scratch of the scorers (backends/cpu/scorers/common.hpp)
+
+/// Everything the scorer of one (sequence, KV head) needs: the layer's inputs, the policy's
+/// parameters and which head.
+template <class Policy, class T>
+struct head_job {
+  const layer_inputs<T>* in;
+  const typename Policy::params* p;
+  std::int64_t b, h;        ///< sequence, KV head
+  std::int64_t L;           ///< valid tokens
+  std::int64_t w;           ///< effective window rows min(W, L)
+  std::int64_t drift_topk;  ///< K for the adaptive-window drift (<= 0: not needed)
+};
+}  // namespace detail
+
+/// CPU scorer implementation of Scorer. A specialisation provides
+///   template <class Policy, class T>
+///   static void score(const detail::head_job<Policy, T>& job, detail::head_scratch& s, float* rows /* G x L */,
+///                     double* drift /* G */, float* rows2 /* G x L, secondary_scores only */);
+/// writing G = group_size rows of L finite fp32 scores (query-free scorers: the same row G times),
+/// the adaptive-window drift of each query head when job.drift_topk > 0 (else 0), and, for
+/// scorers with secondary_scores, the secondary rows. It may derive from scorer_impl_base for
+/// the defaults of the optional members:
+///   static bool full_projection(const params&)   the scratch holds the value projections of
+///                                                every token (head_scratch::carve full_y)
+///   static constexpr bool hidden_projection      the scratch holds a W_O slice (carve_projection)
+///   template <class T> static status check_layer(const params&, const layer_inputs<T>&)
+///                                                plan-time check against the layer's shapes
+/// head_scorer<Impl> (backends/cpu/scorers/head_scorer.hpp) turns a simple per-head function on
+/// fp32 copies into this interface; the legacy hook S::score_kv_head(params, cpu::head_inputs,
+/// float*) is served that way.
+template <class Scorer, class Enable = void>
+struct scorer_impl {
+  static_assert(kvevict::detail::dependent_false<Scorer>,
+                "kvevict: this Scorer has no CPU implementation (backend cpu::backend): specialise "
+                "kvevict::cpu::scorer_impl<Scorer> (see examples/custom_policy.cpp), or give the scorer a static "
+                "score_kv_head(params, cpu::head_inputs, float*) hook");
+};
+
+/// Defaults of the optional members of a scorer_impl.
+struct scorer_impl_base {
+  template <class P>
+  static bool full_projection(const P&) {
+    return false;
+  }
+  static constexpr bool hidden_projection = false;
+  template <class P, class T>
+  static status check_layer(const P&, const layer_inputs<T>&) {
+    return {};
+  }
+};
+
+/// CPU implementation of a temporal smoother: weights(p, w, c) writes the w row weights c_j.
+/// Served for every smoother with KVEVICT_HOST_DEVICE static double weight(params, j, w)
+/// (all built-ins are linear, docs/architecture.md); others need a specialisation.
+template <class Temporal, class Enable = void>
+struct temporal_impl {
+  static_assert(kvevict::detail::dependent_false<Temporal>,
+                "kvevict: this temporal smoother has no CPU implementation (backend cpu::backend): give it a static "
+                "double weight(const params&, int j, int w) (a linear row weighting) or specialise "
+                "kvevict::cpu::temporal_impl<Temporal>");
+};
+template <class Temporal>
+struct temporal_impl<Temporal, std::void_t<decltype(Temporal::weight(std::declval<const typename Temporal::params&>(), 0, 1))>> {
+  /// c[j] = weight(p, j, w) for j < w, as fp32.
+  static void weights(const typename Temporal::params& p, std::int64_t w, float* c) {
+    for (std::int64_t j = 0; j < w; ++j) c[j] = static_cast<float>(Temporal::weight(p, static_cast<int>(j), static_cast<int>(w)));
+  }
+};
+
+/// CPU implementation of a spatial smoother:
+///   static void smooth(const params&, float* x, std::int64_t n, double drift, float* tmp,
+///                      double* pre, std::int64_t* dq);
+/// smooths x[0, n) in place (drift: the adaptive-window statistic; scratch tmp n floats, pre
+/// n + 1 doubles, dq n int64). The legacy hook S::smooth(params, const float* in, float* out,
+/// int64 n) is served by backends/cpu/smoothers.hpp.
+template <class Spatial, class Enable = void>
+struct spatial_impl {
+  static_assert(kvevict::detail::dependent_false<Spatial>,
+                "kvevict: this spatial smoother has no CPU implementation (backend cpu::backend): specialise "
+                "kvevict::cpu::spatial_impl<Spatial>, or give it a static smooth(params, const float* in, float* out, "
+                "int64_t n) hook");
+};
+
+/// CPU implementation of a score-driven budgeter (needs_scores = true):
+///   static void score_budgets(const params&, const head_plan* plans, const float* const* rows,
+///                             std::int64_t H, std::int64_t* budgets);
+/// moves budget between the H rows of one sequence from their smoothed scores (the total stays).
+/// Per-head and whole-layer budgeters need none: the front-end runs them (frontend/frontend.hpp).
+template <class Budgeter, class Enable = void>
+struct budgeter_impl {
+  static_assert(kvevict::detail::dependent_false<Budgeter>,
+                "kvevict: this score-driven budgeter has no CPU implementation (backend cpu::backend): specialise "
+                "kvevict::cpu::budgeter_impl<Budgeter>");
+};
+
+/// CPU implementation of a selector:
+///   static std::int64_t select(const params&, const head_plan&, std::int64_t budget,
+///                              const float* scores /* null: nothing scored */,
+///                              const float* scores2 /* secondary row or null */,
+///                              std::int32_t* out, std::int32_t* idx /* L */, float* tmp /* L */);
+/// writes the kept slots of one row ascending and returns their count (min(budget, L)).
+template <class Selector, class Enable = void>
+struct selector_impl {
+  static_assert(kvevict::detail::dependent_false<Selector>,
+                "kvevict: this selector has no CPU implementation (backend cpu::backend): specialise "
+                "kvevict::cpu::selector_impl<Selector>");
+};
+
+}  // namespace cpu
+}  // namespace kvevict

@@ -1,0 +1,117 @@
+// IWYU pragma: private, include "kvevict/cpu.hpp"
+// head_scorer<Impl>: the simple form of a CPU scorer implementation. The driver stages one
+// (sequence, KV head) as fp32 row-major copies (cpu::head_inputs) and calls
+//   Impl::score_head(const typename Scorer::params&, const cpu::head_inputs&, float* out /* L */);
+// the row is saturated to the finite fp32 range and given to every query head of the GQA group.
+// A user's scorer specialises cpu::scorer_impl<Scorer> as `: cpu::head_scorer<its impl>` (see
+// examples/custom_policy.cpp); a scorer with the legacy hook S::score_kv_head(params,
+// cpu::head_inputs, float*) is served the same way without a specialisation.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "kvevict/backends/cpu/scorers/common.hpp"
+
+namespace kvevict {
+namespace cpu {
+
+/// See the file comment. Adds no drift (a head_scorer computes no window attention: a policy
+/// that pairs it with spatial::adaptive_window fails to compile unless the scorer declares
+/// window_attention, and then gets drift 0).
+template <class Impl>
+struct head_scorer : scorer_impl_base {
+  template <class Policy, class T>
+  static void score(const detail::head_job<Policy, T>& job, detail::head_scratch& s, float* rows /* G x L */, double* drift /* G */,
+                    float* /*rows2*/ = nullptr) {
+    using namespace detail;
+    const layer_inputs<T>& in = *job.in;
+    const auto& P = *job.p;
+    const std::int64_t L = job.L, d = in.head_dim(), b = job.b, h = job.h;
+    const std::int64_t G = in.queries.data ? in.group_size() : 1;
+    const T* kbase = in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1];
+    cmap_rm K = stage_rows(kbase, L, d, in.keys.stride[2], in.keys.stride[3], s.kbuf);
+    head_inputs hi;
+    hi.batch_index = b;
+    hi.kv_head = h;
+    hi.length = L;
+    hi.head_dim = d;
+    hi.group_size = G;
+    hi.window = in.queries.data ? job.w : 0;
+    hi.layer_idx = in.layer_idx;
+    // hooks get contiguous copies
+    if (K.data() != s.kbuf) {
+      for (std::int64_t r = 0; r < L; ++r)
+        for (std::int64_t c = 0; c < d; ++c) s.kbuf[r * d + c] = K(r, c);
+    }
+    hi.keys = s.kbuf;
+    if (in.values.data) {
+      const T* vb = in.values.data + b * in.values.stride[0] + h * in.values.stride[1];
+      for (std::int64_t r = 0; r < L; ++r)
+        for (std::int64_t c = 0; c < d; ++c) s.vbuf[r * d + c] = to_float(vb[r * in.values.stride[2] + c * in.values.stride[3]]);
+      hi.values = s.vbuf;
+    }
+    if (in.queries.data) {
+      for (std::int64_t g = 0; g < G; ++g)
+        for (std::int64_t j = 0; j < job.w; ++j) {
+          const std::int64_t qrow = in.window() - job.w + j;
+          for (std::int64_t c = 0; c < d; ++c)
+            s.qbuf[(g * job.w + j) * d + c] = to_float(in.queries(b, h * G + g, qrow, c));
+        }
+      hi.queries = s.qbuf;
+      temporal_impl<typename Policy::temporal_smoother>::weights(P.temporal, job.w, s.st_c);
+      hi.temporal_weights = s.st_c;
+    }
+    Impl::score_head(P.scorer, hi, rows);
+    for (std::int64_t n = 0; n < L; ++n) rows[n] = saturate(rows[n]);
+    for (std::int64_t g = 1; g < G; ++g) std::copy(rows, rows + L, rows + g * L);
+    for (std::int64_t g = 0; g < G; ++g) drift[g] = 0.0;
+  }
+};
+
+namespace detail {
+
+/// Detects a user scorer's legacy CPU hook:
+///   static void score_kv_head(const params&, const cpu::head_inputs&, float* out /* L */);
+template <class S, class = void>
+struct has_cpu_hook : std::false_type {};
+template <class S>
+struct has_cpu_hook<S, std::void_t<decltype(S::score_kv_head(std::declval<const typename S::params&>(),
+                                                             std::declval<const head_inputs&>(),
+                                                             std::declval<float*>()))>> : std::true_type {};
+
+/// head_scorer's Impl for a scorer with the legacy hook.
+template <class S>
+struct legacy_hook {
+  static void score_head(const typename S::params& p, const head_inputs& hi, float* out) { S::score_kv_head(p, hi, out); }
+};
+
+}  // namespace detail
+
+namespace detail {
+/// A scorer that checks its tables against a layer's shape declares
+///   static status check_layer(const params&, int64 kv_heads, int64 head_dim, int layer_idx, int num_layers);
+template <class S, class = void>
+struct has_check_layer : std::false_type {};
+template <class S>
+struct has_check_layer<S, std::void_t<decltype(S::check_layer(std::declval<const typename S::params&>(), std::int64_t{},
+                                                               std::int64_t{}, int{}, int{}))>> : std::true_type {};
+}  // namespace detail
+
+/// A scorer with the legacy hook needs no specialisation (its check_layer, if any, runs at plan time).
+template <class S>
+struct scorer_impl<S, std::enable_if_t<detail::has_cpu_hook<S>::value>> : head_scorer<detail::legacy_hook<S>> {
+  template <class T>
+  static status check_layer(const typename S::params& p, const layer_inputs<T>& in) {
+    if constexpr (detail::has_check_layer<S>::value)
+      return S::check_layer(p, in.kv_heads(), in.head_dim(), in.layer_idx, in.num_layers);
+    (void)p;
+    (void)in;
+    return {};
+  }
+};
+
+}  // namespace cpu
+}  // namespace kvevict

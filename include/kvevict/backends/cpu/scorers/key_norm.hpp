@@ -1,0 +1,38 @@
+// IWYU pragma: private, include "kvevict/cpu.hpp"
+// CPU implementation of scorers::key_norm (Devoto et al. 2024): s[n] = -||k_n||, fp64 sum of
+// squares, the same row for every query head of the group. Query-free; no drift.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kvevict/backends/cpu/scorers/common.hpp"
+#include "kvevict/policies/scorers.hpp"
+
+namespace kvevict {
+namespace cpu {
+
+template <>
+struct scorer_impl<scorers::key_norm> : scorer_impl_base {
+  template <class Policy, class T>
+  static void score(const detail::head_job<Policy, T>& job, detail::head_scratch& s, float* rows /* G x L */, double* drift /* G */,
+                    float* /*rows2*/ = nullptr) {
+    using namespace detail;
+    const layer_inputs<T>& in = *job.in;
+    const std::int64_t L = job.L, d = in.head_dim(), b = job.b, h = job.h;
+    const std::int64_t G = in.queries.data ? in.group_size() : 1;
+    const T* kbase = in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1];
+    cmap_rm K = stage_rows(kbase, L, d, in.keys.stride[2], in.keys.stride[3], s.kbuf);
+    for (std::int64_t n = 0; n < L; ++n) {
+      double acc = 0.0;
+      for (std::int64_t c = 0; c < d; ++c) acc += static_cast<double>(K(n, c)) * K(n, c);
+      rows[n] = saturate(-std::sqrt(acc));
+    }
+    for (std::int64_t g = 1; g < G; ++g) std::copy(rows, rows + L, rows + g * L);
+    for (std::int64_t g = 0; g < G; ++g) drift[g] = 0.0;
+  }
+};
+
+}  // namespace cpu
+}  // namespace kvevict

@@ -1,0 +1,305 @@
+// IWYU pragma: private, include "kvevict/kvevict.hpp"
+// The backend-neutral front-end of evictor<Policy, Backend>: everything both evictors share.
+//  - the composition's static checks (which stages work together), in one place;
+//  - input validation (parameters, shapes, budget, lengths) with the documented messages;
+//  - the budget rules: per-row head plans, the budgets that need no scores, the "needs scoring"
+//    flags and the exact kept count (so max_selected is the same number on every backend);
+//  - the plan's bookkeeping (eviction_plan, frontend/plan.hpp).
+// A backend driver (backends/<backend>/evictor*) adds only what its hardware needs: its
+// implementation traits per stage (backends/<backend>/impl*), its workspace and its launches.
+//
+// Layering: frontend/ includes core/ and policies/; backends/ include frontend/; nothing here
+// names a backend or a built-in policy type: capabilities are read from the policies' flags and
+// optional hooks (detected below).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kvevict/core/budget_rules.hpp"
+#include "kvevict/core/inputs.hpp"
+#include "kvevict/core/selection.hpp"
+#include "kvevict/core/status.hpp"
+#include "kvevict/frontend/plan.hpp"
+#include "kvevict/policies/policy.hpp"
+
+namespace kvevict {
+namespace detail {
+
+/// A budgeter that allocates a whole layer at once (budgeters::headwise_learned) declares
+///   static status layer_budgets(const params&, const budget_request&, const head_plan* plans,
+///                               int64 rows, int64 kv_heads, int layer, int num_layers, int64* budgets);
+template <class Bu, class = void>
+struct has_layer_budgets : std::false_type {};
+template <class Bu>
+struct has_layer_budgets<Bu, std::void_t<decltype(Bu::layer_budgets(
+                                 std::declval<const typename Bu::params&>(), std::declval<const budget_request&>(),
+                                 std::declval<const head_plan*>(), std::int64_t{}, std::int64_t{}, int{}, int{},
+                                 std::declval<std::int64_t*>()))>> : std::true_type {};
+
+/// A selector that ranks a second score row declares `static constexpr bool reads_secondary_scores = true`.
+template <class Sel, class = void>
+struct selector_reads_secondary : std::false_type {};
+template <class Sel>
+struct selector_reads_secondary<Sel, std::void_t<decltype(Sel::reads_secondary_scores)>>
+    : std::integral_constant<bool, Sel::reads_secondary_scores> {};
+
+/// How a budgeter allocates; it decides which steps a driver runs.
+///  - per_head:     Budgeter::head_budget(params, plan, layer, num_layers), before any scoring;
+///  - score_driven: needs_scores (AdaKV): each head starts at its base budget, and the backend's
+///                  budgeter implementation moves budget between heads after scoring (the
+///                  layer's total is unchanged);
+///  - whole_layer:  layer_budgets(...) (LKV-H): one call per sequence, before any scoring.
+enum class budget_kind : int { per_head = 0, score_driven = 1, whole_layer = 2 };
+
+template <class Bu>
+inline constexpr budget_kind budget_kind_of =
+    has_layer_budgets<Bu>::value ? budget_kind::whole_layer : (Bu::needs_scores ? budget_kind::score_driven : budget_kind::per_head);
+
+/// The front-end of evictor<Policy, *>. Static functions only; the drivers call them.
+template <class Policy>
+struct frontend {
+  using params_type = typename Policy::params;
+  using Scorer = typename Policy::scorer;
+  using Temporal = typename Policy::temporal_smoother;
+  using Spatial = typename Policy::spatial_smoother;
+  using Budgeter = typename Policy::budgeter;
+  using Selector = typename Policy::selector;
+
+  /// The scorer writes a second row per query head (CriticalKV's ||v W_O^h||_1).
+  static constexpr bool has_secondary = scorer_secondary<Scorer>::value;
+  /// The selector ranks that second row (selectors::two_stage).
+  static constexpr bool reads_secondary = selector_reads_secondary<Selector>::value;
+  /// The scorer reads the layer's full output projection layer_inputs::wo.
+  static constexpr bool needs_wo_matrix = scorer_needs_wo_matrix<Scorer>::value;
+  static constexpr budget_kind kind = budget_kind_of<Budgeter>;
+
+  // The composition rules, checked once for every backend.
+  static_assert(!reads_secondary || has_secondary,
+                "kvevict: selectors::two_stage (CriticalKV) ranks its second stage by a secondary score row; use it "
+                "with scorers::attention_value_norm (or presets::criticalkv)");
+  static_assert(!has_secondary || reads_secondary,
+                "kvevict: scorers::attention_value_norm computes a secondary row (||v W_O^h||_1) that only "
+                "selectors::two_stage reads; use them together (presets::criticalkv)");
+  static_assert(!Spatial::needs_attention_drift || Scorer::window_attention,
+                "kvevict: the adaptive-window smoother needs a scorer that computes the window attention");
+  static_assert(!Budgeter::needs_scores || Scorer::has_scores,
+                "kvevict: a score-driven budgeter (AdaKV) needs a scorer that produces scores");
+
+  /// What the method reads from layer_inputs.
+  static input_requirements requirements(const params_type& p) {
+    input_requirements rq;
+    rq.scorer_name = Scorer::name;
+    rq.needs_queries = Scorer::needs_queries;
+    rq.needs_values = Scorer::needs_values;
+    rq.needs_wo_factor = Scorer::needs_wo_factor(p.scorer);
+    rq.needs_wo_matrix = needs_wo_matrix;
+    rq.per_query_head = p.gqa == gqa_reduction::per_query_head;
+    return rq;
+  }
+
+  /// Selection rows per sequence: kv_heads, or q_heads for gqa_reduction::per_query_head.
+  template <class T>
+  static std::int64_t out_heads(const layer_inputs<T>& in, const params_type& p) {
+    return p.gqa == gqa_reduction::per_query_head ? in.q_heads() : in.kv_heads();
+  }
+
+  /// Parameters (every stage), shapes, budget. The first error names the parameter and value.
+  template <class T>
+  static status validate(const layer_inputs<T>& in, const params_type& p, const budget_request& budget) {
+    static_assert(is_storage_type_v<T>, "kvevict: T must be float, half_t or bfloat16_t");
+    KVEVICT_TRY(Policy::check(p));
+    KVEVICT_TRY(validate_layer_shapes(in, requirements(p)));
+    KVEVICT_TRY(validate_budget(budget, p.selector, in.window()));
+    return {};
+  }
+
+  /// Every head's length in [0, seq]. len(b, h) returns the int64 length of (sequence b, KV head h).
+  template <class LenF>
+  static status check_length_range(std::int64_t batch, std::int64_t kv_heads, std::int64_t seq, LenF len) {
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t h = 0; h < kv_heads; ++h) {
+        const std::int64_t L = len(b, h);
+        if (L < 0 || L > seq)
+          return status::error(errc::invalid_argument, "lengths(b=%lld, h=%lld) = %lld is outside [0, seq = %lld]",
+                               static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(L),
+                               static_cast<long long>(seq));
+      }
+    return {};
+  }
+
+  /// gqa_reduction::layer_mean keeps one token set per sequence: equal lengths across its heads.
+  template <class LenF>
+  static status check_layer_mean_lengths(const params_type& p, std::int64_t batch, std::int64_t kv_heads, LenF len) {
+    if (p.gqa != gqa_reduction::layer_mean) return {};
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t h = 1; h < kv_heads; ++h)
+        if (len(b, h) != len(b, 0))
+          return status::error(errc::invalid_argument,
+                               "gqa = layer_mean needs equal lengths across heads; sequence %lld has %lld and %lld",
+                               static_cast<long long>(b), static_cast<long long>(len(b, 0)), static_cast<long long>(len(b, h)));
+    return {};
+  }
+
+  /// The head plan of row (b, KV head hkv) with L valid tokens (docs/semantics.md).
+  template <class T>
+  static head_plan row_plan(const layer_inputs<T>& in, const params_type& p, const budget_request& budget, std::int64_t L) {
+    return plan_head(budget, p.selector, L, in.window());
+  }
+
+  /// The budget rules of one sequence b: for its H = out_heads rows (row h covers KV head
+  /// h / (H / kv_heads)) the head plans, the budgets that need no scores (score-driven
+  /// budgeters: each head's base budget, or its length when it passes through; the backend
+  /// moves budget between heads after scoring, keeping the total) and the "needs scoring" flags
+  /// (a head is scored when it keeps fewer than its length; layer_mean: all heads of a sequence
+  /// or none). Host code; len(b, h) as above. Errors: the whole-layer budgeter's.
+  template <class T, class LenF>
+  static status sequence_budgets(const layer_inputs<T>& in, const params_type& p, const budget_request& budget, std::int64_t b,
+                                 std::int64_t H, LenF len, head_plan* plans, std::int64_t* budgets, std::uint8_t* need) {
+    const std::int64_t Gout = H / in.kv_heads();
+    for (std::int64_t h = 0; h < H; ++h) {
+      plans[h] = row_plan(in, p, budget, len(b, h / Gout));
+      if constexpr (kind == budget_kind::whole_layer) {
+        need[h] = 0;  // set below, once the sequence's plans are known
+      } else if constexpr (kind == budget_kind::per_head) {
+        budgets[h] = Budgeter::head_budget(p.budgeter, plans[h], in.layer_idx, in.num_layers);
+        need[h] = Scorer::has_scores && budgets[h] < plans[h].length ? 1 : 0;
+      } else {
+        budgets[h] = plans[h].pass_through ? plans[h].length : plans[h].base_budget;
+        need[h] = Scorer::has_scores && !plans[h].pass_through ? 1 : 0;
+      }
+    }
+    if constexpr (kind == budget_kind::whole_layer) {
+      KVEVICT_TRY(Budgeter::layer_budgets(p.budgeter, budget, plans, H, in.kv_heads(), in.layer_idx, in.num_layers, budgets));
+      for (std::int64_t h = 0; h < H; ++h) need[h] = Scorer::has_scores && budgets[h] < plans[h].length ? 1 : 0;
+    }
+    if (p.gqa == gqa_reduction::layer_mean) {
+      std::uint8_t any = 0;
+      for (std::int64_t h = 0; h < H; ++h) any |= need[h];
+      for (std::int64_t h = 0; h < H; ++h) need[h] = any;
+    }
+    return {};
+  }
+
+  /// Kept tokens of one row: its budget, never more than its length.
+  static std::int64_t kept(const head_plan& pl, std::int64_t budget) { return std::min<std::int64_t>(budget, pl.length); }
+
+  /// The exact number of kept tokens of the layer (the same sum run() writes to indptr), from
+  /// host lengths len(b, h). Allocates O(out_heads) host scratch (plan time only).
+  template <class T, class LenF>
+  static status kept_total(const layer_inputs<T>& in, const params_type& p, const budget_request& budget, LenF len,
+                           std::int64_t* total) {
+    const std::int64_t H = out_heads(in, p);
+    std::vector<head_plan> pl(static_cast<std::size_t>(H));
+    std::vector<std::int64_t> bu(static_cast<std::size_t>(H));
+    std::vector<std::uint8_t> nd(static_cast<std::size_t>(H));
+    std::int64_t t = 0;
+    for (std::int64_t b = 0; b < in.batch(); ++b) {
+      KVEVICT_TRY(sequence_budgets(in, p, budget, b, H, len, pl.data(), bu.data(), nd.data()));
+      for (std::int64_t h = 0; h < H; ++h) t += kept(pl[static_cast<std::size_t>(h)], bu[static_cast<std::size_t>(h)]);
+    }
+    *total = t;
+    return {};
+  }
+
+  /// An upper bound of the kept tokens from the shapes alone (lengths unknown to the host):
+  /// batch * out_heads * min(seq, per-head bound), the bound being the base budget of a head of
+  /// seq tokens for per-head and score-driven budgeters (a score-driven budgeter keeps each
+  /// sequence's total; budgeters whose head_budget can exceed the base budget declare
+  /// `max_head_budget(params, base_budget)`: PyramidKV 2B + 1), or seq for whole-layer ones.
+  template <class T>
+  static std::int64_t kept_upper_bound(const layer_inputs<T>& in, const params_type& p, const budget_request& budget) {
+    const std::int64_t S = in.capacity();
+    std::int64_t B = plan_head(budget, p.selector, S, in.window()).base_budget;
+    if constexpr (kind == budget_kind::whole_layer) {
+      B = S;
+    } else if constexpr (kind == budget_kind::per_head) {
+      B = max_head_budget(p.budgeter, B);
+    }
+    return in.batch() * out_heads(in, p) * std::min(B, S);
+  }
+
+  /// What a backend driver tells make_plan about itself.
+  struct plan_request {
+    /// Host-readable lengths, batch x kv_heads row-major, or null. With lengths_known = true and
+    /// lengths = null every head holds seq tokens (layer_inputs without lengths).
+    const std::int32_t* lengths = nullptr;
+    std::int64_t lengths_stride[2] = {0, 0};  ///< element strides of `lengths` (batch, head)
+    bool lengths_known = true;  ///< false: the host cannot read the lengths (device memory, no host copy)
+    bool host_budgets = true;   ///< false: the budgeter's tables are device-only (LKV-H on CUDA)
+    int num_threads = 1;        ///< resolved thread count (CPU); stored in the plan
+    const void* owner = nullptr;
+    std::uint64_t generation = 0;
+  };
+
+  /// The plan of one layer, the one sequence of checks for every backend: parameters, shapes and
+  /// budget (validate); the backend's own checks (backend_check(), a callable returning status);
+  /// when the host knows the lengths, their range, the exact kept count (the whole-layer
+  /// budgeter's allocation included) and layer_mean's equal lengths; else the kept count's upper
+  /// bound. workspace(num_threads) returns the bytes run() needs. On error *out is untouched.
+  template <class T, class BackendCheck, class Workspace>
+  static status make_plan(const layer_inputs<T>& in, const params_type& p, const budget_request& budget, const plan_request& rq,
+                          BackendCheck&& backend_check, Workspace&& workspace, eviction_plan* out) {
+    if (!out) return status::error(errc::null_pointer, "plan is null");
+    KVEVICT_TRY(validate(in, p, budget));
+    const std::int64_t S = in.capacity();
+    auto len = [&](std::int64_t b, std::int64_t h) -> std::int64_t {
+      return rq.lengths ? static_cast<std::int64_t>(rq.lengths[b * rq.lengths_stride[0] + h * rq.lengths_stride[1]]) : S;
+    };
+    if (rq.lengths_known) KVEVICT_TRY(check_length_range(in.batch(), in.kv_heads(), S, len));
+    KVEVICT_TRY(backend_check());
+    eviction_plan pl;
+    pl.out_heads = out_heads(in, p);
+    pl.rows = in.batch() * pl.out_heads;
+    pl.budget = budget;
+    pl.signature = layer_signature::of(in);
+    pl.owner = rq.owner;
+    pl.generation = rq.generation;
+    pl.num_threads = rq.num_threads;
+    if (rq.lengths_known && rq.host_budgets) {
+      KVEVICT_TRY(kept_total(in, p, budget, len, &pl.max_selected));
+      pl.max_selected_exact = true;
+    } else {
+      pl.max_selected = kept_upper_bound(in, p, budget);
+      pl.max_selected_exact = false;
+    }
+    if (rq.lengths_known) KVEVICT_TRY(check_layer_mean_lengths(p, in.batch(), in.kv_heads(), len));
+    pl.workspace_bytes = workspace(rq.num_threads);
+    pl.valid = true;
+    *out = pl;
+    return {};
+  }
+
+  /// run(plan, ...): the plan belongs to this evictor, is current and was made for these shapes.
+  template <class T>
+  static status check_plan(const eviction_plan& pl, const layer_inputs<T>& in, const void* owner, std::uint64_t generation) {
+    if (!pl.valid) return status::error(errc::invalid_argument, "plan is not valid (plan() did not succeed)");
+    if (pl.owner != owner)
+      return status::error(errc::invalid_argument, "plan was made by another evictor object (plan with this one)");
+    if (pl.generation != generation)
+      return status::error(errc::invalid_argument, "plan is stale: params() changed since plan() (plan again)");
+    if (pl.signature != layer_signature::of(in))
+      return status::error(errc::invalid_argument,
+                           "layer_inputs do not match the plan (shapes, strides, set views, layer_idx or storage type differ; "
+                           "plan again)");
+    return {};
+  }
+
+ private:
+  template <class Bu, class = void>
+  struct has_max_head_budget : std::false_type {};
+  template <class Bu>
+  struct has_max_head_budget<Bu, std::void_t<decltype(Bu::max_head_budget(std::declval<const typename Bu::params&>(),
+                                                                         std::int64_t{}))>> : std::true_type {};
+  static std::int64_t max_head_budget(const typename Budgeter::params& bp, std::int64_t B) {
+    if constexpr (has_max_head_budget<Budgeter>::value) return Budgeter::max_head_budget(bp, B);
+    (void)bp;
+    return B;
+  }
+};
+
+}  // namespace detail
+}  // namespace kvevict

@@ -1,0 +1,100 @@
+// IWYU pragma: private, include "kvevict/kvevict.hpp"
+// The explicit plan of one eviction call (CUTLASS's initialize, FlashInfer's plan/run):
+//
+//   kvevict::eviction_plan pl;
+//   status s = ev.plan(inputs, budget, &pl);          // validates shapes, parameters, budget, lengths
+//   std::vector<unsigned char> ws(pl.workspace_bytes);
+//   std::vector<std::int32_t> kept(pl.max_selected);   // exact (see max_selected_exact)
+//   s = ev.run(pl, inputs, selection, ws.data(), ws.size());  // repeats none of the plan's checks
+//
+// The plan is computed once from the shapes, the budget and plan_options (the thread count
+// included) and fixes the workspace size; a run with the same plan may take other data (other
+// pointers, other lengths) of the same shapes and strides. Backend-neutral: both evictors
+// produce and take this type.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvevict/core/inputs.hpp"
+#include "kvevict/core/numeric.hpp"
+#include "kvevict/core/selection.hpp"
+
+namespace kvevict {
+
+/// What the caller fixes at plan time besides shapes and budget.
+struct plan_options {
+  /// CPU: threads run() uses; 0 = the backend's num_threads, or OpenMP's omp_get_max_threads() at
+  /// plan time when that is 0 too (at most 256). The workspace holds per-thread scratch for
+  /// exactly this many threads, so a later change of OpenMP's setting cannot outgrow it.
+  /// CUDA: ignored.
+  int num_threads = 0;
+  /// CUDA: an optional HOST copy of layer_inputs::lengths, batch x kv_heads int32 row-major
+  /// (lengths.data itself is device memory there). With it, plan() checks the lengths and gives
+  /// the exact max_selected; without it max_selected is an upper bound when lengths are set
+  /// (docs/cuda.md). CPU: ignored (lengths are host memory and read directly).
+  const std::int32_t* host_lengths = nullptr;
+};
+
+/// Shapes, strides and presence of every view of a layer_inputs, the layer index and the storage
+/// type: what a plan was made for. run(plan, ...) compares it with its inputs (O(1)) and
+/// rejects inputs of other shapes with errc::invalid_argument.
+struct layer_signature {
+  static constexpr int slots = 2 * (4 + 4 + 4 + 2 + 3 + 3 + 2) + 4;
+  std::int64_t v[slots] = {};
+
+  template <class T>
+  static layer_signature of(const layer_inputs<T>& in) {
+    layer_signature s;
+    int i = 0;
+    auto put = [&](const auto& view) {
+      using V = std::decay_t<decltype(view)>;
+      for (int k = 0; k < V::rank; ++k) {
+        s.v[i++] = view.data ? view.extent[k] : -1;
+        s.v[i++] = view.data ? view.stride[k] : -1;
+      }
+    };
+    put(in.queries);
+    put(in.keys);
+    put(in.values);
+    put(in.lengths);
+    put(in.positions);
+    put(in.wo_factor);
+    put(in.wo);
+    s.v[i++] = in.layer_idx;
+    s.v[i++] = in.num_layers;
+    s.v[i++] = std::is_same<T, float>::value ? 0 : (std::is_same<T, half_t>::value ? 1 : 2);  // storage type
+    s.v[i++] = 0;
+    return s;
+  }
+  bool operator==(const layer_signature& o) const {
+    for (int i = 0; i < slots; ++i)
+      if (v[i] != o.v[i]) return false;
+    return true;
+  }
+  bool operator!=(const layer_signature& o) const { return !(*this == o); }
+};
+
+/// The result of evictor::plan(). Plain data, copyable. It belongs to the evictor object that made
+/// it and stays valid until that evictor's params() are taken through the non-const accessor
+/// (run() then rejects it with errc::invalid_argument: plan again). Copying or moving the evictor
+/// makes a new owner: plan with the copy.
+struct eviction_plan {
+  bool valid = false;               ///< set by a successful plan()
+  std::size_t workspace_bytes = 0;  ///< bytes run() needs (any alignment: run() aligns itself)
+  /// Kept tokens: the size selection.indices must have. Exact when max_selected_exact (always on
+  /// the CPU; on CUDA unless lengths are device-only or LKV-H's tables are device-only), else an
+  /// upper bound; the exact count of row r is always indptr[r + 1] - indptr[r].
+  std::int64_t max_selected = 0;
+  bool max_selected_exact = true;
+  std::int64_t rows = 0;       ///< selection rows = batch * out_heads
+  std::int64_t out_heads = 0;  ///< kv_heads, or q_heads for gqa_reduction::per_query_head
+  int num_threads = 1;         ///< CPU threads of run() (plan_options::num_threads resolved)
+  budget_request budget{};     ///< the budget the plan was made for
+  layer_signature signature{}; ///< the shapes it was made for
+  const void* owner = nullptr;    ///< the evictor object that made it (a plan is not portable)
+  std::uint64_t generation = 0;  ///< that evictor's parameter generation at plan time
+};
+
+}  // namespace kvevict
