@@ -1,9 +1,17 @@
 // Writing your own policies: a custom scorer and a custom spatial smoother, composed at compile
 // time with kvevict's temporal smoother, budgeter and selector.
 //
+// A policy is backend-neutral: parameters, check(), capability flags. Each backend runs it
+// through an implementation trait that the policy's author specialises, exactly as kvevict's
+// built-in policies do (backends/cpu/impl.hpp; the CUDA twin is examples/custom_policy_cuda.cu):
 //  - value_norm_scorer: keeps tokens whose VALUE vectors are large (a query-free heuristic in
-//    the spirit of VATP / "value norms matter"), via the CPU scorer hook score_kv_head().
-//  - median3: a 3-tap median filter as a spatial smoother, via the CPU hook smooth().
+//    the spirit of VATP / "value norms matter"); its CPU implementation is
+//    kvevict::cpu::scorer_impl<value_norm_scorer>, here the simple form cpu::head_scorer, which
+//    hands it fp32 copies of one (sequence, KV head) at a time (cpu::head_inputs).
+//  - median3: a 3-tap median filter as a spatial smoother; its CPU implementation is
+//    kvevict::cpu::spatial_impl<median3> (in place over the row's evictable region).
+// A policy without an implementation for the backend it is used with fails to compile with a
+// message naming the stage and the backend.
 #include <kvevict/cpu.hpp>
 
 #include <algorithm>
@@ -26,8 +34,14 @@ struct value_norm_scorer {
     if (!(p.power > 0.0f)) return kvevict::status::error(kvevict::errc::invalid_argument, "scorer.power = %g must be > 0", p.power);
     return {};
   }
-  // One (sequence, KV head): out[n] for n < in.length; in.values is L x d row-major fp32.
-  static void score_kv_head(const params& p, const kvevict::cpu::head_inputs& in, float* out) {
+};
+
+// The CPU implementation of value_norm_scorer. score_head sees one (sequence, KV head):
+// out[n] for n < in.length; in.values is L x d row-major fp32. (A scorer that reads the window
+// queries gets in.queries and the policy's temporal weights in.temporal_weights.)
+template <>
+struct kvevict::cpu::scorer_impl<value_norm_scorer> : kvevict::cpu::head_scorer<kvevict::cpu::scorer_impl<value_norm_scorer>> {
+  static void score_head(const value_norm_scorer::params& p, const kvevict::cpu::head_inputs& in, float* out) {
     for (std::int64_t n = 0; n < in.length; ++n) {
       double s = 0.0;
       for (std::int64_t c = 0; c < in.head_dim; ++c) s += double(in.values[n * in.head_dim + c]) * in.values[n * in.head_dim + c];
@@ -41,11 +55,19 @@ struct median3 {
   static constexpr const char* name = "median3";
   static constexpr bool needs_attention_drift = false;
   static kvevict::status check(const params&) { return {}; }
-  static void smooth(const params&, const float* in, float* out, std::int64_t n) {
+};
+
+// The CPU implementation of median3: x[0, n) in place; tmp is n floats of scratch (pre and dq,
+// the prefix-sum and deque scratch the built-in smoothers use, are not needed here).
+template <>
+struct kvevict::cpu::spatial_impl<median3> {
+  static void smooth(const median3::params&, float* x, std::int64_t n, double /*drift*/, float* tmp, double* /*pre*/,
+                     std::int64_t* /*dq*/) {
     for (std::int64_t i = 0; i < n; ++i) {
-      float a = in[std::max<std::int64_t>(i - 1, 0)], b = in[i], c = in[std::min<std::int64_t>(i + 1, n - 1)];
-      out[i] = std::max(std::min(a, b), std::min(std::max(a, b), c));
+      float a = x[std::max<std::int64_t>(i - 1, 0)], b = x[i], c = x[std::min<std::int64_t>(i + 1, n - 1)];
+      tmp[i] = std::max(std::min(a, b), std::min(std::max(a, b), c));
     }
+    std::copy(tmp, tmp + n, x);
   }
 };
 

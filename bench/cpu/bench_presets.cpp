@@ -9,7 +9,7 @@
 //   snapkv / adakv   window attention 2 * 32 w L d + 2 * 32 w L
 //   lkv      lkv::full with a synthetic 32-layer table: the MLP, kv_heads * L * (4 * hidden * d + 4 * hidden)
 //   lkv_scorer_scalar / lkv_scorer_blocked: that MLP alone on one layer, utility() per token vs
-//            learned_mlp::score_rows (one thread; same flops)
+//            cpu::learned_mlp_rows::score_rows (one thread; same flops)
 //   h2o      the whole prompt as window (W = L): 2 * 32 L^2 d + 2 * 32 L^2, i.e. what the
 //            blocked CPU scorer computes (each 32-row block computes all L logits, the causal
 //            upper triangle is masked after the product). O(L^2): measured at 1k and 4k only.
@@ -132,7 +132,7 @@ void BM_lkv(benchmark::State& st) {
 
 /// The LKV-T scorer alone on one layer's 8 KV heads (f32 K/V, the calling thread only, the
 /// lkv_table MLPs of layer 0): lkv_scorer_scalar calls learned_mlp::utility token by token (the
-/// definition; the CPU path until 2026-11-29), lkv_scorer_blocked calls learned_mlp::score_rows
+/// definition; the CPU path until 2026-11-29), lkv_scorer_blocked calls cpu::learned_mlp_rows::score_rows
 /// (what score_kv_head and lkv::score_tokens run; bit-identical scores). Same flops as preset_lkv.
 template <bool Blocked>
 void BM_lkv_scorer(benchmark::State& st) {
@@ -147,7 +147,7 @@ void BM_lkv_scorer(benchmark::State& st) {
       const float* v = data.v.data() + h * L * d;
       float* o = out.data() + h * L;
       if (Blocked) {
-        kvevict::scorers::learned_mlp::score_rows(p, 0, h, k, v, L, d, o);
+        kvevict::cpu::learned_mlp_rows::score_rows(p, 0, h, k, v, L, d, o);
       } else {
         for (std::int64_t n = 0; n < L; ++n) o[n] = kvevict::scorers::learned_mlp::utility(p, 0, h, k + n * d, v + n * d);
       }

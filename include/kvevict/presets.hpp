@@ -1,5 +1,6 @@
-// Named presets: the published configurations of ReST-KV and the baselines, as
-// eviction_policy types whose defaults() return the papers' settings.
+// Named presets, all in this one file under one scheme (presets::<method>): the published
+// configurations of ReST-KV, the baselines and LKV, as eviction_policy types whose defaults()
+// return the papers' settings.
 //
 //   using P = kvevict::presets::restkv;
 //   auto params = P::defaults();            // alpha 0.3, beta 2000, k_min 5, "after" LOR
@@ -114,4 +115,14 @@ struct budgets_restkv
 struct budgets_attention : eviction_policy<scorers::attention_weight, temporal::sum, spatial::avg_pool, budgeters::headwise_learned> {};
 
 }  // namespace lkv
+
+namespace presets {
+/// The LKV compositions under the presets' naming scheme (the same types as lkv::*): every
+/// published method and every LKV variant is presets::<name>. Their parameters come from an
+/// artifact (lkv::full_params(...), backends/cpu/learned.hpp or backends/cuda/learned.cuh).
+using lkv = kvevict::lkv::full;
+using lkv_uniform_budgets = kvevict::lkv::uniform_budgets;
+using lkv_budgets_restkv = kvevict::lkv::budgets_restkv;
+using lkv_budgets_attention = kvevict::lkv::budgets_attention;
+}  // namespace presets
 }  // namespace kvevict

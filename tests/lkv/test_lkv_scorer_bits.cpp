@@ -1,5 +1,6 @@
-// LKV-T's blockwise CPU scorer (learned_mlp::score_rows, used by score_kv_head and
-// lkv::score_tokens) against its definition, learned_mlp::utility: the floats must be
+// LKV-T's blockwise CPU scorer (cpu::learned_mlp_rows::score_rows, used by
+// cpu::scorer_impl<learned_mlp> and lkv::score_tokens) against its definition,
+// learned_mlp::utility: the floats must be
 // BIT-IDENTICAL (memcmp) for every token, since the parity tests compare selections with
 // PyTorch's and a last-bit change can swap two tokens. The fp64 sums before the fp32 rounding
 // are compared too (score_rows_fp64 vs utility_fp64): the rounding to fp32 hides almost every
@@ -7,9 +8,10 @@
 //
 // Built twice (tests/lkv/CMakeLists.txt):
 //   test_lkv_scorer_bits      the project's flags; also the CPU backend's entry points
-//                             (score_kv_head with cpu::head_inputs, lkv::score_tokens)
+//                             (scorer_impl<learned_mlp>::score_head with cpu::head_inputs,
+//                             lkv::score_tokens)
 //   test_lkv_scorer_bits_fma  x86 hosts with AVX2 + FMA only: -mavx2 -mfma -ffp-contract=fast,
-//                             policies header only (no Eigen), so the compiler may fuse every
+//                             learned_mlp_rows.hpp only (no Eigen), so the compiler may fuse every
 //                             multiply-add it sees, in both forms, and the AVX code path runs
 //
 // Grid: head_dim 1, 3, 8, 64, 128 (+ 300: the scalar fallback above max_block_inputs), hidden 1,
@@ -21,7 +23,7 @@
 #if KVEVICT_TEST_WITH_CPU_BACKEND
 #include <kvevict/backends/cpu/learned.hpp>
 #else
-#include <kvevict/policies/learned.hpp>
+#include <kvevict/backends/cpu/scorers/learned_mlp_rows.hpp>
 #endif
 
 #include "lkv_prng.hpp"
@@ -40,17 +42,10 @@ namespace {
 bool same_bytes(const void* a, const void* b, std::size_t n) { return n == 0 || std::memcmp(a, b, n) == 0; }
 
 using mlp = kvevict::scorers::learned_mlp;
+using rows_scorer = kvevict::cpu::learned_mlp_rows;
 
 using lkv_test::prng;
 
-// The same fields as cpu::head_inputs that score_kv_head reads (the policies header is
-// backend-free; the CPU build also checks the real type).
-struct mock_head_inputs {
-  std::int64_t kv_head = 0, length = 0, head_dim = 0;
-  std::int32_t layer_idx = 0;
-  const float* keys = nullptr;
-  const float* values = nullptr;
-};
 
 // Independent fp64 value of u before the fp32 step (naive loop; used only to classify the
 // token: NaN, beyond the fp32 range, or ordinary).
@@ -68,7 +63,7 @@ double naive_u(const std::vector<float>& w, std::int64_t off, std::int64_t d, st
 
 }  // namespace
 
-TEST_CASE("learned_mlp::score_rows / score_kv_head / lkv::score_tokens == utility() bit for bit") {
+TEST_CASE("learned_mlp_rows::score_rows / scorer_impl::score_head / lkv::score_tokens == utility() bit for bit") {
   const float big = 1e30f, inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   std::int64_t n_tokens = 0, n_nan = 0, n_sat = 0, n_block = 0;
   std::uint64_t seed = 1000;
@@ -141,10 +136,10 @@ TEST_CASE("learned_mlp::score_rows / score_kv_head / lkv::score_tokens == utilit
             }
           }
           n_tokens += len;
-          if (2 * d <= mlp::max_block_inputs) n_block += len;
+          if (2 * d <= rows_scorer::max_block_inputs) n_block += len;
 
           // fp64 u first: the fp32 rounding would hide most differences of order or contraction
-          mlp::score_rows_fp64(p, layer, head, K.data(), V.data(), len, stride, rows64.data());
+          rows_scorer::score_rows_fp64(p, layer, head, K.data(), V.data(), len, stride, rows64.data());
           CHECK(same_bytes(rows64.data(), want64.data(), want64.size() * sizeof(double)));
           CHECK(rows64[static_cast<std::size_t>(len)] == -7.0);
           std::int64_t diff64 = 0;
@@ -155,7 +150,7 @@ TEST_CASE("learned_mlp::score_rows / score_kv_head / lkv::score_tokens == utilit
             if (!std::isnan(want64[static_cast<std::size_t>(n)]) && std::fabs(want64[static_cast<std::size_t>(n)]) <= 3.4e38)
               CHECK(want[static_cast<std::size_t>(n)] == static_cast<float>(want64[static_cast<std::size_t>(n)]));
 
-          mlp::score_rows(p, layer, head, K.data(), V.data(), len, stride, rows.data());
+          rows_scorer::score_rows(p, layer, head, K.data(), V.data(), len, stride, rows.data());
           CHECK(same_bytes(rows.data(), want.data(), want.size() * sizeof(float)));
           CHECK(rows[static_cast<std::size_t>(len)] == -7.0f);  // nothing written past length
           for (std::int64_t n = 0; n < len; ++n) {
@@ -164,24 +159,30 @@ TEST_CASE("learned_mlp::score_rows / score_kv_head / lkv::score_tokens == utilit
             if (n >= 40) break;  // the per-token report only for the first tokens (the memcmp above covers all)
           }
 
-          // score_kv_head reads contiguous rows (stride head_dim) and the layer from layer_idx.
+          // The CPU scorer reads contiguous rows (stride head_dim) and the layer from layer_idx.
           std::vector<float> Kc(static_cast<std::size_t>(len * d)), Vc(Kc.size());
           for (std::int64_t n = 0; n < len; ++n)
             for (std::int64_t i = 0; i < d; ++i) {
               Kc[static_cast<std::size_t>(n * d + i)] = K[static_cast<std::size_t>(n * stride + i)];
               Vc[static_cast<std::size_t>(n * d + i)] = V[static_cast<std::size_t>(n * stride + i)];
             }
-          mock_head_inputs mh;
-          mh.kv_head = head;
-          mh.length = len;
-          mh.head_dim = d;
-          mh.layer_idx = layer;
-          mh.keys = Kc.data();
-          mh.values = Vc.data();
           std::vector<float> hook(want.size());
-          mlp::score_kv_head(p, mh, hook.data());
+          rows_scorer::score_rows(p, layer, head, Kc.data(), Vc.data(), len, d, hook.data());
           CHECK(same_bytes(hook.data(), want.data(), want.size() * sizeof(float)));
 #if KVEVICT_TEST_WITH_CPU_BACKEND
+          {  // the layer from head_inputs::layer_idx (params.layer = -1)
+            kvevict::cpu::head_inputs hl;
+            hl.kv_head = head;
+            hl.length = len;
+            hl.head_dim = d;
+            hl.layer_idx = layer;
+            hl.keys = Kc.data();
+            hl.values = Vc.data();
+            std::vector<float> hook1(want.size(), 5.0f);
+            REQUIRE(p.layer == -1);
+            kvevict::cpu::scorer_impl<mlp>::score_head(p, hl, hook1.data());
+            CHECK(same_bytes(hook1.data(), want.data(), want.size() * sizeof(float)));
+          }
           kvevict::cpu::head_inputs hi;
           hi.kv_head = head;
           hi.length = len;
@@ -192,7 +193,7 @@ TEST_CASE("learned_mlp::score_rows / score_kv_head / lkv::score_tokens == utilit
           mlp::params pl = p;
           pl.layer = layer;
           std::vector<float> hook2(want.size(), 5.0f);
-          mlp::score_kv_head(pl, hi, hook2.data());
+          kvevict::cpu::scorer_impl<mlp>::score_head(pl, hi, hook2.data());
           CHECK(same_bytes(hook2.data(), want.data(), want.size() * sizeof(float)));
           std::vector<float> tok(want.size(), 5.0f);
           REQUIRE(kvevict::lkv::score_tokens(p, layer, head, K.data(), V.data(), len, stride, tok.data()).ok());

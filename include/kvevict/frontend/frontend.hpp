@@ -89,6 +89,10 @@ struct frontend {
   static_assert(!Budgeter::needs_scores || Scorer::has_scores,
                 "kvevict: a score-driven budgeter (AdaKV) needs a scorer that produces scores");
 
+  /// A driver writes `static_assert(frontend<Policy>::composition_ok, "")` in its class body, so
+  /// the composition rules above fire as soon as the evictor type is named.
+  static constexpr bool composition_ok = true;
+
   /// What the method reads from layer_inputs.
   static input_requirements requirements(const params_type& p) {
     input_requirements rq;

@@ -13,6 +13,7 @@
 // produce and take this type.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -76,10 +77,18 @@ struct layer_signature {
   bool operator!=(const layer_signature& o) const { return !(*this == o); }
 };
 
+namespace detail {
+/// A process-wide unique number for an evictor's parameter state (see eviction_plan::generation).
+inline std::uint64_t next_plan_generation() {
+  static std::atomic<std::uint64_t> counter{0};
+  return counter.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+}  // namespace detail
+
 /// The result of evictor::plan(). Plain data, copyable. It belongs to the evictor object that made
-/// it and stays valid until that evictor's params() are taken through the non-const accessor
-/// (run() then rejects it with errc::invalid_argument: plan again). Copying or moving the evictor
-/// makes a new owner: plan with the copy.
+/// it and stays valid until that evictor's params() are taken through the non-const accessor or
+/// it is assigned another evictor (run() then rejects it with errc::invalid_argument: plan again).
+/// A copy of the evictor is a new owner: plan with the copy.
 struct eviction_plan {
   bool valid = false;               ///< set by a successful plan()
   std::size_t workspace_bytes = 0;  ///< bytes run() needs (any alignment: run() aligns itself)

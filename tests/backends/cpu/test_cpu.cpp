@@ -612,3 +612,212 @@ TEST_CASE("attention_block: a GQA group in one call equals its heads one at a ti
     }
   }
 }
+
+// ---- plan / run ---------------------------------------------------------------------------
+
+namespace {
+/// run(plan) into fresh buffers of `cap` indices; sentinel -7 everywhere.
+template <class Ev, class T>
+kvtest::lib_result run_plan(const Ev& ev, const kv::eviction_plan& pl, const kv::layer_inputs<T>& in, std::int64_t cap,
+                            std::vector<unsigned char>& ws) {
+  kvtest::lib_result res;
+  res.rows = in.batch() * ev.out_heads(in);
+  res.cap = in.capacity();
+  res.indptr.assign(static_cast<std::size_t>(res.rows + 1), -7);
+  res.indices.assign(static_cast<std::size_t>(std::max<std::int64_t>(cap, 1)), -7);
+  res.positions.assign(res.indices.size(), -7);
+  res.scores.assign(static_cast<std::size_t>(res.rows * res.cap), -7.0f);
+  kv::selection_view sel{res.indptr.data(), res.indices.data(), res.positions.data(), cap};
+  res.st = ev.run(pl, in, sel, ws.data(), ws.size(), res.scores.data());
+  return res;
+}
+
+template <class P>
+void check_plan_reuse(std::uint64_t seed) {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 2, s.cap = 64, s.d = 16, s.window = 8, s.hidden = 32;
+  kvtest::problem p = kvtest::make_problem(s, seed, 1.0, 1.5, 1.0, {64, 50, 41, 64});
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::nhd, st);
+  const auto budget = kv::budget_request::fraction(0.3);
+  kv::evictor<P, kv::cpu::backend> ev(P::defaults(), kv::cpu::backend{2});
+  kv::eviction_plan pl;
+  REQUIRE(ev.plan(st.in, budget, &pl, kv::plan_options{3}).ok());
+  CHECK(pl.valid);
+  CHECK(pl.num_threads == 3);
+  CHECK(pl.workspace_bytes == ev.workspace_size(st.in, kv::plan_options{3}));
+  CHECK(pl.max_selected_exact);
+  CHECK(pl.rows == s.batch * s.kv_heads);
+  std::vector<unsigned char> ws(pl.workspace_bytes);
+  const auto legacy = kvtest::run_lib(ev, st.in, budget);
+  REQUIRE(legacy.st.ok());
+  CHECK(pl.max_selected == legacy.indptr.back());  // exact
+  CHECK(pl.max_selected == ev.max_selected(st.in, budget));
+  for (int rep = 0; rep < 2; ++rep) {  // one plan, repeated runs: the same result as run(inputs, budget)
+    const auto r = run_plan(ev, pl, st.in, pl.max_selected, ws);
+    REQUIRE_MESSAGE(r.st.ok(), r.st.message());
+    CHECK(r.indptr == legacy.indptr);
+    CHECK(r.indices == legacy.indices);
+    CHECK(r.scores == legacy.scores);
+  }
+  // New lengths of the same shapes: the plan still serves; the result is that of a fresh plan.
+  st.lens = {30, 50, 20, 17};  // (slots past the first lengths hold NaN: the new lengths are shorter)
+  const auto fresh = kvtest::run_lib(ev, st.in, budget);
+  REQUIRE_MESSAGE(fresh.st.ok(), std::string(fresh.st.message()));
+  const auto r2 = run_plan(ev, pl, st.in, 4 * 64, ws);
+  REQUIRE_MESSAGE(r2.st.ok(), r2.st.message());
+  CHECK(r2.indptr == fresh.indptr);
+  CHECK(std::vector<std::int32_t>(r2.indices.begin(), r2.indices.begin() + r2.indptr.back()) ==
+        std::vector<std::int32_t>(fresh.indices.begin(), fresh.indices.begin() + fresh.indptr.back()));
+  CHECK(r2.scores == fresh.scores);
+  // ... but lengths outside [0, seq] are data errors that run(plan) still catches, writing nothing.
+  st.lens = {30, 65, 64, 17};
+  const auto bad = run_plan(ev, pl, st.in, 4 * 64, ws);
+  CHECK(bad.st.code() == kv::errc::invalid_argument);
+  CHECK(std::string(bad.st.message()).find("lengths(b=0, h=1) = 65") != std::string::npos);
+  CHECK(std::all_of(bad.indptr.begin(), bad.indptr.end(), [](std::int32_t x) { return x == -7; }));
+  CHECK(std::all_of(bad.scores.begin(), bad.scores.end(), [](float x) { return x == -7.0f; }));
+}
+}  // namespace
+
+TEST_CASE("plan / run: one plan serves repeated runs and new lengths of the same shapes; max_selected is exact") {
+  SUBCASE("per-head budgets (ReST-KV)") { check_plan_reuse<kv::presets::restkv>(3500); }
+  SUBCASE("per-head budgets by layer (PyramidKV)") { check_plan_reuse<kv::presets::pyramidkv>(3501); }
+  SUBCASE("score-driven budgets (AdaKV)") { check_plan_reuse<kv::presets::adakv>(3502); }
+  SUBCASE("no scores (StreamingLLM)") { check_plan_reuse<kv::presets::streaming_llm>(3503); }
+}
+
+TEST_CASE("plan / run: a plan of another evictor, a stale plan and inputs of other shapes are rejected; nothing written") {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 2, s.cap = 48, s.d = 16, s.window = 8, s.hidden = 32;
+  kvtest::problem p = kvtest::make_problem(s, 3510);
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::hnd, st);
+  const auto budget = kv::budget_request::tokens(16);
+  using P = kv::presets::restkv;
+  kv::evictor<P, kv::cpu::backend> ev, other;
+  kv::eviction_plan pl;
+  REQUIRE(ev.plan(st.in, budget, &pl).ok());
+  std::vector<unsigned char> ws(pl.workspace_bytes);
+  auto expect_rejected = [&](const kv::evictor<P, kv::cpu::backend>& e, const kv::eviction_plan& plan,
+                             const kv::layer_inputs<float>& in, const char* what) {
+    CAPTURE(what);
+    const auto r = run_plan(e, plan, in, 64, ws);
+    CHECK(r.st.code() == kv::errc::invalid_argument);
+    CHECK_MESSAGE(std::string(r.st.message()).find(what) != std::string::npos, r.st.message());
+    CHECK(std::all_of(r.indptr.begin(), r.indptr.end(), [](std::int32_t x) { return x == -7; }));
+    CHECK(std::all_of(r.indices.begin(), r.indices.end(), [](std::int32_t x) { return x == -7; }));
+    CHECK(std::all_of(r.scores.begin(), r.scores.end(), [](float x) { return x == -7.0f; }));
+  };
+  expect_rejected(ev, kv::eviction_plan{}, st.in, "not valid");
+  expect_rejected(other, pl, st.in, "another evictor");
+  kv::layer_inputs<float> shorter = st.in;
+  shorter.keys.extent[2] = 40;  // other shapes
+  shorter.values.extent[2] = 40;
+  expect_rejected(ev, pl, shorter, "do not match the plan");
+  kv::layer_inputs<float> other_layer = st.in;
+  other_layer.num_layers = 2;
+  other_layer.layer_idx = 1;
+  expect_rejected(ev, pl, other_layer, "do not match the plan");
+  // A copy is another owner; a failed plan() leaves the caller's plan untouched.
+  const kv::evictor<P, kv::cpu::backend> copy = ev;
+  expect_rejected(copy, pl, st.in, "another evictor");
+  kv::eviction_plan kept = pl;
+  CHECK(ev.plan(st.in, kv::budget_request::tokens(0), &kept).code() == kv::errc::invalid_argument);
+  CHECK(kept.workspace_bytes == pl.workspace_bytes);
+  CHECK(kept.valid);
+  {
+    const auto ok = run_plan(ev, kept, st.in, pl.max_selected, ws);
+    CHECK_MESSAGE(ok.st.ok(), ok.st.message());
+  }
+  // Changing the parameters makes every earlier plan stale (the workspace could differ).
+  ev.params().scorer.aggregation = kv::scorers::output_reconstruction::mode::before;
+  expect_rejected(ev, pl, st.in, "stale");
+  kv::eviction_plan fresh;
+  REQUIRE(ev.plan(st.in, budget, &fresh).ok());
+  CHECK(fresh.workspace_bytes > pl.workspace_bytes);  // "before" mode holds every token's projections
+  std::vector<unsigned char> ws2(fresh.workspace_bytes);
+  const auto r = run_plan(ev, fresh, st.in, fresh.max_selected, ws2);
+  CHECK_MESSAGE(r.st.ok(), r.st.message());
+  CHECK(ev.plan(st.in, budget, nullptr).code() == kv::errc::null_pointer);
+  // Too small a workspace for the plan.
+  std::vector<unsigned char> small(fresh.workspace_bytes - 1);
+  {
+    std::vector<std::int32_t> ip(3, -7), ix(64, -7);
+    kv::selection_view sv{ip.data(), ix.data(), nullptr, 64};
+    CHECK(ev.run(fresh, st.in, sv, small.data(), small.size()).code() == kv::errc::insufficient_workspace);
+    CHECK(std::all_of(ip.begin(), ip.end(), [](std::int32_t x) { return x == -7; }));
+  }
+}
+
+namespace {
+/// A user scorer that reads the window queries: s[n] = sum_j c_j (q_j . k_n) of the group's
+/// first query head, c_j the policy's temporal weights as head_inputs gives them.
+struct weighted_dot_scorer {
+  struct params {};
+  static constexpr const char* name = "weighted_dot";
+  static constexpr bool needs_queries = true, needs_values = false, window_attention = false, has_scores = true;
+  static bool needs_wo_factor(const params&) { return false; }
+  static kv::status check(const params&) { return {}; }
+};
+/// The same scorer through the legacy hook (no specialisation).
+struct weighted_dot_hook : weighted_dot_scorer {
+  static void score_kv_head(const params&, const kv::cpu::head_inputs& in, float* out);
+};
+void weighted_dot(const kv::cpu::head_inputs& in, float* out) {
+  for (std::int64_t n = 0; n < in.length; ++n) {
+    double s = 0.0;
+    for (std::int64_t j = 0; j < in.window; ++j) {
+      double dot = 0.0;
+      for (std::int64_t c = 0; c < in.head_dim; ++c) dot += double(in.queries[j * in.head_dim + c]) * in.keys[n * in.head_dim + c];
+      s += double(in.temporal_weights[j]) * dot;
+    }
+    out[n] = static_cast<float>(s);
+  }
+}
+void weighted_dot_hook::score_kv_head(const params&, const kv::cpu::head_inputs& in, float* out) { weighted_dot(in, out); }
+}  // namespace
+
+template <>
+struct kvevict::cpu::scorer_impl<weighted_dot_scorer> : kvevict::cpu::head_scorer<kvevict::cpu::scorer_impl<weighted_dot_scorer>> {
+  static void score_head(const weighted_dot_scorer::params&, const kvevict::cpu::head_inputs& in, float* out) { weighted_dot(in, out); }
+};
+
+TEST_CASE("a user scorer through cpu::scorer_impl sees the policy's temporal weights; the legacy hook gives the same") {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 3, s.cap = 40, s.d = 8, s.window = 6, s.hidden = 0;
+  kvtest::problem p = kvtest::make_problem(s, 3520, 1.0, 1.0, 1.0, {40, 33, 20, 40});
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::nhd, st);
+  using trait_p = kv::eviction_policy<weighted_dot_scorer, kv::temporal::ema>;
+  using hook_p = kv::eviction_policy<weighted_dot_hook, kv::temporal::ema>;
+  const auto budget = kv::budget_request::tokens(12);
+  const auto a = kvtest::run_lib(kv::evictor<trait_p, kv::cpu::backend>(), st.in, budget);
+  const auto b = kvtest::run_lib(kv::evictor<hook_p, kv::cpu::backend>(), st.in, budget);
+  REQUIRE_MESSAGE(a.st.ok(), a.st.message());
+  REQUIRE(b.st.ok());
+  CHECK(a.indptr == b.indptr);
+  CHECK(a.indices == b.indices);
+  CHECK(a.scores == b.scores);
+  // fp64 reference: EMA(alpha 0.3) weights over the effective window w = min(W, L), query head
+  // h G (the group's first), window rows oldest first; scored slots only.
+  const double alpha = 0.3;
+  int checked = 0;
+  for (std::int64_t bq = 0; bq < s.batch; ++bq)
+    for (std::int64_t h = 0; h < s.kv_heads; ++h) {
+      const std::int64_t L = p.length(bq, h), w = std::min<std::int64_t>(s.window, L), r = bq * s.kv_heads + h;
+      const kvref::mat K = p.keys(bq, h), Q = p.queries(bq, h * s.group, w);
+      for (std::int64_t n = 0; n < L - w; ++n) {  // candidates (the window is protected)
+        double want = 0.0;
+        for (std::int64_t j = 0; j < w; ++j) {
+          const double c = j == 0 ? std::pow(1.0 - alpha, double(w - 1)) : alpha * std::pow(1.0 - alpha, double(w - 1 - j));
+          double dot = 0.0;
+          for (std::int64_t k = 0; k < s.d; ++k) dot += Q(j, k) * K(n, k);
+          want += c * dot;
+        }
+        CHECK(a.row_scores(r)[n] == doctest::Approx(want).epsilon(1e-5));
+        ++checked;
+      }
+    }
+  CHECK(checked > 100);
+}

@@ -58,6 +58,7 @@ inline status scan_finite(const V& v, const char* name, F rows_valid) {
 template <class Policy>
 class evictor<Policy, cpu::backend> {
   using FE = kvevict::detail::frontend<Policy>;
+  static_assert(FE::composition_ok, "kvevict: the stages of this policy do not compose (see the message above)");
 
  public:
   using policy = Policy;
@@ -70,19 +71,13 @@ class evictor<Policy, cpu::backend> {
   /// CriticalKV: the scorer writes a secondary row (||v W_O^h||_1) that the selector reads.
   static constexpr bool has_secondary = FE::has_secondary;
 
-  explicit evictor(params_type p = Policy::defaults(), cpu::backend be = {}) : p_(p), be_(be) {}
-  evictor(const evictor& o) : p_(o.p_), be_(o.be_) {}
-  evictor& operator=(const evictor& o) {
-    p_ = o.p_;
-    be_ = o.be_;
-    ++generation_;
-    return *this;
-  }
+  explicit evictor(params_type p = Policy::defaults(), cpu::backend be = {})
+      : p_(p), be_(be), generation_(kvevict::detail::next_plan_generation()) {}
 
   const params_type& params() const { return p_; }
   /// Mutable parameters: invalidates the plans this evictor made (run() rejects them).
   params_type& params() {
-    ++generation_;
+    generation_ = kvevict::detail::next_plan_generation();
     return p_;
   }
 
@@ -405,7 +400,10 @@ class evictor<Policy, cpu::backend> {
 
   params_type p_;
   cpu::backend be_;
-  std::uint64_t generation_ = 0;  ///< bumped by the mutable params(): plans of older generations are stale
+  /// Process-wide unique per construction and per call of the mutable params(): a plan carries
+  /// it, so a plan made before params() changed (or before this object was assigned another
+  /// evictor's state) is stale. Plain data: the evictor stays trivially copyable.
+  std::uint64_t generation_;
 };
 
 }  // namespace kvevict

@@ -29,6 +29,9 @@ namespace detail {
 /// The state of one (sequence, KV head) shared by the loop and the hooks.
 template <class Policy, class T>
 struct window_ctx {
+  window_ctx(const detail::head_job<Policy, T>& j, cmap_rm keys)
+      : job(j), in(*j.in), P(*j.p), L(j.L), d(j.in->head_dim()), b(j.b), h(j.h), G(j.in->queries.data ? j.in->group_size() : 1),
+        w(j.w), scale(static_cast<float>(1.0 / std::sqrt(static_cast<double>(j.in->head_dim())))), K(keys) {}
   const detail::head_job<Policy, T>& job;
   const layer_inputs<T>& in;
   const typename Policy::params& P;
@@ -80,8 +83,7 @@ struct window_scorer : scorer_impl_base {
     const std::int64_t G = in.queries.data ? in.group_size() : 1;
     // Keys of this head, fp32.
     const T* kbase = in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1];
-    window_ctx<Policy, T> c{job, in, P, L, d, b, h, G, job.w, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))), 0,
-                            stage_rows(kbase, L, d, in.keys.stride[2], in.keys.stride[3], s.kbuf)};
+    window_ctx<Policy, T> c(job, stage_rows(kbase, L, d, in.keys.stride[2], in.keys.stride[3], s.kbuf));
     const std::int64_t w = c.w;
     // Temporal weights c_j over the effective window.
     if constexpr (Hooks::last_only) {

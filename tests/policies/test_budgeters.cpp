@@ -1,0 +1,630 @@
+// The built-in budgeters (include/kvevict/policies/budgeters.hpp, backends/cpu/budgeters/):
+//  - PyramidKV (budgeters::pyramid): layer_candidates vs PyramidKV's integer code and the exact
+//    schedule, head_budget, its floor of 1 candidate for unprotected heads (attack);
+//  - AdaKV (budgeters::adakv, cpu::detail::adakv_budgets): the head-wise allocation vs the
+//    documented formula, its floor (attack: adversarial plans vs the fp64 reference and the
+//    CUDA kernel's apportion_budgets call);
+//  - both through the evictor on the CPU backend vs the fp64 reference: layers, exact totals,
+//    tiny budgets, GQA reductions, ragged batches, sinks >= L, CriticalAdaKV's counts.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "policies/policy_test_common.hpp"
+
+// ---- PyramidKV and AdaKV budgets, stage functions --------------------------------------------
+
+TEST_CASE("budget: pyramid matches PyramidKV's integer code (exact_total = false) and sums exactly otherwise") {
+  kvtest::rng r(17);
+  int nonuniform = 0;
+  long exact_match = 0, layers = 0;
+  for (int it = 0; it < 1500; ++it) {
+    kvevict::budgeters::pyramid::params p;
+    p.beta = static_cast<float>(r.uniform() < 0.5 ? 20.0 : static_cast<double>(r.integer(1, 40)));
+    const std::int64_t P = r.integer(1, 300), C = P + r.integer(1, 600);
+    const int n = static_cast<int>(r.integer(1, 40));
+    CAPTURE(P);
+    CAPTURE(C);
+    CAPTURE(n);
+    CAPTURE(p.beta);
+    std::int64_t sum = 0;
+    std::vector<std::int64_t> a(static_cast<std::size_t>(n));
+    layers += n;
+    for (int l = 0; l < n; ++l) {
+      p.exact_total = false;
+      CHECK(kvevict::budgeters::pyramid::layer_candidates(p, P, C, l, n) == kvref::pyramid_integer(P, C, p.beta, l, n));
+      p.exact_total = true;
+      const auto v = kvevict::budgeters::pyramid::layer_candidates(p, P, C, l, n);
+      // Equal to the exact-rational reference (integer arithmetic: ties go to the lower layer).
+      if (v == kvref::pyramid_exact(P, C, p.beta, l, n)) ++exact_match;
+      CHECK(v == kvevict::budgeters::pyramid::layer_candidates(p, P, C, l, n));  // deterministic
+      CHECK(v >= 0);
+      CHECK(v <= C);
+      a[static_cast<std::size_t>(l)] = v;
+      sum += v;
+    }
+    CHECK(sum == static_cast<std::int64_t>(n) * P);
+    if (n > 1 && 2 * P - static_cast<std::int64_t>(std::floor(static_cast<double>(P) / p.beta)) < C) {
+      // Largest-remainder property with exact fractional parts: every layer gets floor or
+      // floor + 1 of its share, and no layer left at the floor has a larger remainder than a
+      // layer that got the extra unit.
+      std::vector<std::int64_t> rem;
+      (void)kvref::pyramid_exact(P, C, p.beta, 0, n, &rem);
+      const std::int64_t mn = static_cast<std::int64_t>(std::floor(static_cast<double>(P) / p.beta)), mx = 2 * P - mn;
+      std::int64_t min_up = n, max_down = -1;
+      for (int l = 0; l < n; ++l) {
+        const std::int64_t fl = (mx * (n - 1) - l * (mx - mn)) / (n - 1);
+        const std::int64_t extra = a[static_cast<std::size_t>(l)] - fl;
+        CHECK((extra == 0 || extra == 1));
+        if (extra == 1) min_up = std::min(min_up, rem[static_cast<std::size_t>(l)]);
+        else max_down = std::max(max_down, rem[static_cast<std::size_t>(l)]);
+      }
+      CHECK(max_down <= min_up);
+    }
+    for (int l = 1; l < n; ++l) CHECK(a[static_cast<std::size_t>(l)] <= a[static_cast<std::size_t>(l - 1)]);
+    if (n > 1 && a[0] != a[static_cast<std::size_t>(n - 1)]) ++nonuniform;
+  }
+  CHECK(nonuniform > 100);
+  CHECK(exact_match == layers);
+  // head_budget adds the protected tokens; pass-through keeps L.
+  kvevict::detail::head_plan h;
+  h.length = 100;
+  h.base_budget = 40;
+  h.sinks = 2;
+  h.recent = 8;
+  CHECK(kvevict::budgeters::pyramid::head_budget({}, h, 0, 4) ==
+        10 + kvref::pyramid_exact(30, 90, 20.0, 0, 4));
+  h.pass_through = true;
+  CHECK(kvevict::budgeters::pyramid::head_budget({}, h, 0, 4) == 100);
+  CHECK(!kvevict::budgeters::pyramid::check({0.5f, true}).ok());
+  CHECK(std::string(kvevict::budgeters::pyramid::check({NAN, true}).message()).find("beta") != std::string::npos);
+}
+
+TEST_CASE("budget: AdaKV head-wise allocation matches the documented formula") {
+  kvtest::rng r(23);
+  int uneven = 0;
+  for (int it = 0; it < 300; ++it) {
+    const std::int64_t H = r.integer(1, 6);
+    std::vector<kvref::head_plan> plans;
+    std::vector<kvref::vec> sc;
+    std::vector<std::vector<float>> scf(static_cast<std::size_t>(H));
+    std::vector<const float*> ptr;
+    std::vector<kvevict::detail::head_plan> lp;
+    const std::int64_t B = it % 3 == 0 ? r.integer(1, 6) : r.integer(4, 20);
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t L = r.integer(1, 50);
+      // a third of the cases protect nothing (the floor of 1 candidate per evicting head)
+      plans.push_back(it % 3 == 0 ? kvref::plan(L, B, 0.0, 0, 0, -1.0, 3) : kvref::plan(L, B, 0.0, 1, 3, -1.0, 3));
+      kvref::vec s(static_cast<std::size_t>(L));
+      const double scale = r.uniform(0.1, 10.0);  // heads of different score scales
+      for (auto& x : s) x = static_cast<float>(scale * r.uniform());
+      if (r.uniform() < 0.2) std::fill(s.begin(), s.end(), 0.5);  // ties across heads
+      scf[static_cast<std::size_t>(h)].assign(s.begin(), s.end());
+      sc.push_back(s);
+      lp.push_back(lib_plan(plans.back()));
+    }
+    for (auto& v : scf) ptr.push_back(v.data());
+    const float alpha = r.uniform() < 0.5 ? 0.2f : static_cast<float>(r.uniform());
+    std::vector<std::int64_t> got(static_cast<std::size_t>(H)), again(got.size());
+    kvevict::cpu::detail::adakv_budgets({alpha}, lp.data(), ptr.data(), H, got.data());
+    kvevict::cpu::detail::adakv_budgets({alpha}, lp.data(), ptr.data(), H, again.data());
+    const auto ref = kvref::adakv_budgets(plans, sc, static_cast<double>(alpha));
+    std::int64_t sum = 0, want = 0;
+    for (std::int64_t h = 0; h < H; ++h) {
+      const auto& pl = plans[static_cast<std::size_t>(h)];
+      CAPTURE(h);
+      CHECK(got[static_cast<std::size_t>(h)] == ref[static_cast<std::size_t>(h)]);
+      CHECK(got[static_cast<std::size_t>(h)] == again[static_cast<std::size_t>(h)]);
+      CHECK(got[static_cast<std::size_t>(h)] <= pl.L);
+      CHECK(got[static_cast<std::size_t>(h)] >= std::min(pl.L, pl.prot()));
+      CHECK(got[static_cast<std::size_t>(h)] >= 1);  // never an empty head (L >= 1 here)
+      sum += got[static_cast<std::size_t>(h)];
+      want += pl.pass ? pl.L : pl.base;
+      if (!pl.pass && got[static_cast<std::size_t>(h)] != pl.base) ++uneven;
+    }
+    CHECK(sum == want);
+  }
+  CHECK(uneven > 50);
+  CHECK(!kvevict::budgeters::adakv::check({1.5f}).ok());
+  CHECK(std::string(kvevict::budgeters::adakv::check({-0.5f}).message()).find("alpha") != std::string::npos);
+}
+
+// ---- PyramidKV and AdaKV through the evictor -------------------------------------------------
+
+TEST_CASE("budgeters through the evictor: PyramidKV (integer and exact) and AdaKV") {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 4, s.group = 1, s.cap = 80, s.d = 16, s.window = 8;
+  ref_config c;
+  c.scorer = scorer_kind::attention_weight;
+  c.spatial = spatial_kind::avg_pool;
+  c.keep_tokens = 24;
+  for (int layer : {0, 3, 7}) {
+    CAPTURE(layer);
+    auto p = kv::presets::pyramidkv::defaults();
+    auto cc = c;
+    cc.budgeter = kvtest::budget_kind::pyramid;
+    cc.layer = layer, cc.num_layers = 8;
+    for (bool exact : {false, true}) {
+      CAPTURE(exact);
+      p.budgeter.exact_total = exact;
+      cc.pyramid_exact = exact;
+      kvtest::problem pr = kvtest::make_problem(s, 1000 + static_cast<std::uint64_t>(layer));
+      kvtest::stored<float> st;
+      kvtest::store(pr, layout::nhd, st);
+      st.in.layer_idx = layer;
+      st.in.num_layers = 8;
+      kv::evictor<kv::presets::pyramidkv, kv::cpu::backend> ev(p);
+      auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(24));
+      const std::string diff = kvtest::compare(lib, kvtest::reference_run(pr, cc));
+      CHECK_MESSAGE(diff.empty(), diff);
+      CHECK(lib.indptr.back() == ev.max_selected(st.in, kv::budget_request::tokens(24)));
+    }
+  }
+  {
+    auto cc = c;
+    cc.budgeter = kvtest::budget_kind::adakv;
+    cc.adakv_alpha = static_cast<double>(0.2f);
+    int uneven = 0;
+    for (std::uint64_t seed = 1100; seed < 1104; ++seed) {
+      kvtest::problem pr = kvtest::make_problem(s, seed);
+      // heads with very different attention sharpness, so AdaKV moves budget between them
+      for (std::int64_t b = 0; b < s.batch; ++b)
+        for (std::int64_t hq = 0; hq < s.q_heads(); ++hq)
+          for (std::int64_t j = 0; j < s.window; ++j)
+            for (std::int64_t d = 0; d < s.d; ++d) pr.Q[pr.q_idx(b, hq, j, d)] *= 0.3 + 1.2 * static_cast<double>(hq);
+      kvtest::stored<float> st;
+      kvtest::store(pr, layout::nhd, st);
+      kv::evictor<kv::presets::adakv, kv::cpu::backend> ev;
+      auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(24));
+      CAPTURE(seed);
+      const std::string diff = kvtest::compare(lib, kvtest::reference_run(pr, cc));
+      CHECK_MESSAGE(diff.empty(), diff);
+      for (std::int64_t r = 0; r < lib.rows; ++r) uneven += lib.indptr[static_cast<std::size_t>(r + 1)] - lib.indptr[static_cast<std::size_t>(r)] != 24;
+      CHECK(lib.indptr.back() == 24 * lib.rows);  // the layer total is exact
+    }
+    CHECK(uneven > 0);
+  }
+}
+
+TEST_CASE("budgeters never empty a non-empty head when nothing is protected (AdaKV, PyramidKV; tiny budgets)") {
+  // CI's fuzzer found AdaKV giving one of two heads both tokens of a 1-token-per-head budget and
+  // the other none (num_recent = 0, keep fraction 0.004); PyramidKV's min = P // beta is 0 for
+  // P < beta, which emptied the deepest layers. Both now keep >= 1 token per evicting head.
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 4, s.group = 2, s.cap = 40, s.d = 8, s.window = 4;
+  ref_config c;
+  c.scorer = scorer_kind::attention_weight;
+  c.spatial = spatial_kind::avg_pool;
+  c.num_recent = 0;
+  int floored = 0;
+  for (std::uint64_t seed = 1200; seed < 1206; ++seed) {
+    // one head with much sharper attention, so a plain top-T gives it every winner
+    kvtest::problem pr = kvtest::make_problem(s, seed, 1.0, 1.5, 1.0, {40, 7, 2, 33, 40, 40, 1, 26});
+    for (std::int64_t b = 0; b < s.batch; ++b)
+      for (std::int64_t j = 0; j < s.window; ++j)
+        for (std::int64_t d = 0; d < s.d; ++d)
+          for (std::int64_t g = 0; g < s.group; ++g) pr.Q[pr.q_idx(b, g, j, d)] *= 8.0;
+    kvtest::stored<float> st;
+    kvtest::store(pr, layout::nhd, st);
+    for (const kv::budget_request req : {kv::budget_request::fraction(0.004), kv::budget_request::tokens(1),
+                                         kv::budget_request::tokens(2), kv::budget_request::fraction(0.1)}) {
+      CAPTURE(seed);
+      CAPTURE(req.keep_tokens);
+      CAPTURE(req.keep_fraction);
+      auto cc = c;
+      cc.keep_tokens = req.keep_tokens;
+      cc.keep_fraction = req.keep_fraction;
+      auto check_rows = [&](const kvtest::lib_result& lib) {
+        REQUIRE(lib.st.ok());
+        for (std::int64_t r = 0; r < lib.rows; ++r) {
+          const std::int64_t L = pr.length(r / s.kv_heads, r % s.kv_heads);
+          CAPTURE(r);
+          CHECK((L == 0 || !lib.kept(r).empty()));
+          floored += L > 1 && lib.kept(r).size() == 1;
+        }
+      };
+      {
+        auto p = kv::presets::adakv::defaults();
+        p.selector.num_recent = 0;
+        for (float alpha : {0.0f, 0.2f}) {
+          p.budgeter.alpha = alpha;
+          cc.budgeter = kvtest::budget_kind::adakv;
+          cc.adakv_alpha = static_cast<double>(alpha);
+          kv::evictor<kv::presets::adakv, kv::cpu::backend> ev(p);
+          auto lib = kvtest::run_lib(ev, st.in, req);
+          check_rows(lib);
+          const std::string diff = kvtest::compare(lib, kvtest::reference_run(pr, cc));
+          CHECK_MESSAGE(diff.empty(), diff);
+        }
+      }
+      for (bool exact : {false, true})
+        for (int layer : {0, 5, 11}) {
+          auto p = kv::presets::pyramidkv::defaults();
+          p.selector.num_recent = 0;
+          p.budgeter.exact_total = exact;
+          cc.budgeter = kvtest::budget_kind::pyramid;
+          cc.pyramid_exact = exact;
+          cc.layer = layer, cc.num_layers = 12;
+          st.in.layer_idx = layer;
+          st.in.num_layers = 12;
+          kv::evictor<kv::presets::pyramidkv, kv::cpu::backend> ev(p);
+          auto lib = kvtest::run_lib(ev, st.in, req);
+          check_rows(lib);
+          const std::string diff = kvtest::compare(lib, kvtest::reference_run(pr, cc));
+          CHECK_MESSAGE(diff.empty(), diff);
+        }
+      st.in.layer_idx = 0;
+      st.in.num_layers = 1;
+      cc.layer = 0, cc.num_layers = 1;
+    }
+  }
+  CHECK(floored > 0);
+  // PyramidKV alone: for P < beta the deepest layer used to get 0 candidates.
+  kv::budgeters::pyramid::params pp;
+  for (bool exact : {false, true}) {
+    pp.exact_total = exact;
+    std::int64_t sum = 0;
+    for (int l = 0; l < 32; ++l) {
+      const auto v = kv::budgeters::pyramid::layer_candidates(pp, 3, 500, l, 32, 1);
+      CHECK(v >= 1);
+      sum += v;
+    }
+    if (exact) CHECK(sum == 32 * 3);
+    // PyramidKV's own rule: min = 3 // 20 = 0 reaches the last layer in the exact schedule (the
+    // integer one keeps max for every layer here: step = (6 - 0) // 31 = 0).
+    CHECK(kv::budgeters::pyramid::layer_candidates(pp, 3, 500, 31, 32, 0) == (exact ? 0 : 6));
+  }
+}
+
+// ---- Attack on the floor of the head-wise budgeters (review of 5454e27) -------------------
+// The AdaKV floor's donor argument: every evicting head has 0 <= P = B - prot < C (validated
+// budgets hold the protected tokens; L > B otherwise pass-through), so T = sum P is never
+// clamped and a floored head (prot = 0) adds P = B >= 1 to T and 1 to sum(m); a donor with
+// extra - m >= 1 therefore exists whenever a floored head is empty. These cases try to break
+// it with every plan shape: pass-through heads, L = 0 / 1, sinks (also num_sink >= L), recent
+// 0 / window 0..3 / recent share, tokens and fractions, alpha 0 / 0.2 / 0.5 / 1 / random,
+// tied, NaN, +-inf and +-0 scores.
+
+namespace {
+
+/// The global top-T of the candidate slots of the evicting heads (NaN last, then higher score,
+/// ties to the lower head, then the lower slot): winners per head, by a full sort.
+std::vector<unsigned long long> brute_winners(const std::vector<kv::detail::head_plan>& pl,
+                                              const std::vector<std::vector<float>>& sc, std::int64_t* T_out) {
+  struct c {
+    float s;
+    std::int64_t h, i;
+  };
+  std::vector<c> all;
+  std::int64_t T = 0;
+  for (std::size_t h = 0; h < pl.size(); ++h) {
+    if (pl[h].pass_through) continue;
+    T += pl[h].base_budget - pl[h].protected_count();
+    for (std::int64_t i = pl[h].sinks; i < pl[h].length - pl[h].recent; ++i)
+      all.push_back({sc[h][static_cast<std::size_t>(i)], static_cast<std::int64_t>(h), i});
+  }
+  T = std::min<std::int64_t>(T, static_cast<std::int64_t>(all.size()));
+  std::sort(all.begin(), all.end(), [](const c& a, const c& b) {
+    const bool na = std::isnan(a.s), nb = std::isnan(b.s);
+    if (na != nb) return nb;
+    if (!na && a.s != b.s) return a.s > b.s;
+    if (a.h != b.h) return a.h < b.h;
+    return a.i < b.i;
+  });
+  std::vector<unsigned long long> w(pl.size(), 0ull);
+  for (std::int64_t t = 0; t < T; ++t) ++w[static_cast<std::size_t>(all[static_cast<std::size_t>(t)].h)];
+  *T_out = T;
+  return w;
+}
+
+}  // namespace
+
+TEST_CASE("AdaKV floor (attack): adversarial plans vs the fp64 reference; exact totals, bounds, CUDA's winner type") {
+  kvtest::rng r(5150);
+  int moved = 0, mixed = 0, with_pass = 0, with_zero = 0, sinks_ge_L = 0, share_unprotected = 0;
+  for (int it = 0; it < 6000; ++it) {
+    const std::int64_t H = r.integer(1, 9);
+    kv::selectors::topk::params sp;
+    sp.num_sink = r.uniform() < 0.6 ? 0 : static_cast<std::int32_t>(r.integer(1, 3));
+    const int rk = static_cast<int>(r.integer(0, 3));  // 0, 1: num_recent 0; 2: the window; 3: a recent share
+    sp.num_recent = rk <= 1 ? 0 : -1;
+    sp.recent_share = rk == 3 ? static_cast<float>(r.uniform()) : -1.0f;
+    const std::int64_t W = r.integer(0, 3);
+    const std::int64_t fixed = sp.num_sink + (rk == 2 ? W : 0);
+    kv::budget_request req;
+    const int bk = static_cast<int>(r.integer(0, 3));
+    if (bk == 0) req = kv::budget_request::tokens(static_cast<std::int32_t>(std::max<std::int64_t>(1, fixed + r.integer(0, 2))));
+    else if (bk == 1) req = kv::budget_request::fraction(0.004);
+    else if (bk == 2) req = kv::budget_request::fraction(r.uniform(0.01, 0.4));
+    else req = kv::budget_request::fraction(r.uniform(0.4, 1.0));
+    REQUIRE(kv::detail::validate_budget(req, sp, W).ok());
+    const bool same_len = r.uniform() < 0.3;
+    const std::int64_t L0 = r.integer(0, 14);
+    std::vector<kv::detail::head_plan> lp;
+    std::vector<kvref::head_plan> rp;
+    std::vector<std::vector<float>> scf(static_cast<std::size_t>(H));
+    std::vector<kvref::vec> sc;
+    std::vector<const float*> ptr;
+    const int kind = static_cast<int>(r.integer(0, 4));
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t L = same_len ? L0 : r.integer(0, 14);
+      lp.push_back(kv::detail::plan_head(req, sp, L, W));
+      rp.push_back(kvref::plan(L, req.keep_tokens, req.keep_fraction, sp.num_sink, sp.num_recent, sp.recent_share, W));
+      const auto& a = lp.back();
+      const auto& b = rp.back();
+      CHECK(a.length == b.L);
+      CHECK(a.base_budget == b.base);
+      CHECK(a.pass_through == b.pass);
+      if (!a.pass_through) {
+        CHECK(a.sinks == b.sinks);
+        CHECK(a.recent == b.recent);
+        // the premises of the donor argument
+        CHECK(a.base_budget - a.protected_count() >= 0);
+        CHECK(a.base_budget - a.protected_count() < a.candidates());
+      }
+      sinks_ge_L += sp.num_sink >= L && L > 0;
+      auto& s = scf[static_cast<std::size_t>(h)];
+      s.resize(static_cast<std::size_t>(L));
+      const double scale = std::pow(10.0, r.uniform(-3.0, 3.0));
+      for (auto& x : s) {
+        const double u = r.uniform();
+        switch (kind) {
+          case 0: x = static_cast<float>(scale * u); break;
+          case 1: x = 0.5f; break;  // ties within and across heads
+          case 2: x = u < 0.3 ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(scale * r.uniform()); break;
+          case 3: x = u < 0.2 ? INFINITY : (u < 0.4 ? -INFINITY : (u < 0.6 ? -0.0f : static_cast<float>(scale * r.uniform()))); break;
+          default: x = u < 0.5 ? 0.0f : -0.0f; break;
+        }
+      }
+      sc.push_back(kvref::vec(s.begin(), s.end()));
+      ptr.push_back(s.data());
+    }
+    const float alphas[] = {0.0f, 0.2f, 0.5f, 1.0f, static_cast<float>(r.uniform())};
+    const float alpha = alphas[r.integer(0, 4)];
+    CAPTURE(it);
+    CAPTURE(H);
+    CAPTURE(alpha);
+    CAPTURE(sp.num_sink);
+    CAPTURE(sp.num_recent);
+    CAPTURE(sp.recent_share);
+    CAPTURE(W);
+    CAPTURE(req.keep_tokens);
+    CAPTURE(req.keep_fraction);
+    std::vector<std::int64_t> got(static_cast<std::size_t>(H), -1), again(got.size(), -2), dev(got.size(), -3);
+    kv::cpu::detail::adakv_budgets({alpha}, lp.data(), ptr.data(), H, got.data());
+    kv::cpu::detail::adakv_budgets({alpha}, lp.data(), ptr.data(), H, again.data());
+    std::vector<std::int64_t> ref;
+    REQUIRE_NOTHROW(ref = kvref::adakv_budgets(rp, sc, static_cast<double>(alpha)));  // throws when no donor
+    // The CUDA kernel's call: the same function with unsigned long long winners (brute force here).
+    std::int64_t T = 0;
+    const auto win = brute_winners(lp, scf, &T);
+    std::vector<double> share(static_cast<std::size_t>(H));
+    std::vector<std::int64_t> cap(static_cast<std::size_t>(H)), extra(static_cast<std::size_t>(H));
+    kv::budgeters::adakv::apportion_budgets(kv::budgeters::adakv::params{alpha}, lp.data(), win.data(), H, T, share.data(),
+                                            cap.data(), extra.data(), dev.data());
+    // The rounding alone (the rule before the floor): differs only where the floor moved tokens.
+    kv::detail::apportion(share.data(), cap.data(), H, T, extra.data());
+    std::int64_t sum = 0, want = 0, emptied = 0, moved_abs = 0;
+    bool any_floored = false, any_protected_evicting = false, any_pass = false;
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::size_t i = static_cast<std::size_t>(h);
+      const auto& pl = lp[i];
+      CAPTURE(h);
+      CAPTURE(pl.length);
+      CHECK(got[i] == ref[i]);
+      CHECK(got[i] == again[i]);
+      CHECK(got[i] == dev[i]);
+      CHECK(got[i] <= pl.length);
+      if (pl.pass_through) {
+        CHECK(got[i] == pl.length);
+        any_pass = true;
+      } else {
+        CHECK(got[i] >= pl.protected_count());
+        const std::int64_t plain = pl.protected_count() + extra[i];
+        moved_abs += std::llabs(got[i] - plain);
+        if (pl.protected_count() == 0) {
+          any_floored = true;
+          emptied += extra[i] == 0;
+        } else {
+          any_protected_evicting = true;
+        }
+      }
+      if (pl.length > 0) CHECK(got[i] >= 1);  // never an empty non-empty head
+      sum += got[i];
+      want += pl.pass_through ? pl.length : pl.base_budget;
+      with_zero += pl.length == 0;
+    }
+    CHECK(sum == want);                // the layer total: every evicting head's B, pass-through L
+    CHECK(moved_abs == 2 * emptied);   // nothing moves unless a head was emptied, one token each
+    moved += emptied > 0;
+    mixed += emptied > 0 && any_protected_evicting;
+    with_pass += emptied > 0 && any_pass;
+    share_unprotected += emptied > 0 && rk == 3;
+    (void)any_floored;
+  }
+  MESSAGE("floor moves " << moved << ", with protected heads " << mixed << ", with pass-through " << with_pass
+                         << ", recent share " << share_unprotected << ", L = 0 heads " << with_zero << ", num_sink >= L "
+                         << sinks_ge_L);
+  CHECK(moved > 300);
+  CHECK(mixed > 10);
+  CHECK(with_pass > 10);
+  CHECK(share_unprotected > 10);
+  CHECK(with_zero > 100);
+  CHECK(sinks_ge_L > 100);
+}
+
+TEST_CASE("PyramidKV floor (attack): min 1 for unprotected heads vs the fp64 reference; sums, bounds, head_budget") {
+  int raised = 0;
+  for (bool exact : {false, true})
+    for (double beta : {1.0, 1.5, 2.0, 20.0, 1e9})
+      for (int n : {1, 2, 3, 7, 32})
+        for (std::int64_t P = 1; P <= 24; ++P)
+          for (std::int64_t C : {P + 1, P + 2, 2 * P - 1, 2 * P, 2 * P + 1, 3 * P + 5, 500 * P}) {
+            if (C <= P) continue;
+            kv::budgeters::pyramid::params pp;
+            pp.beta = static_cast<float>(beta);
+            pp.exact_total = exact;
+            CAPTURE(exact);
+            CAPTURE(beta);
+            CAPTURE(n);
+            CAPTURE(P);
+            CAPTURE(C);
+            std::int64_t sum = 0;
+            bool differs = false;
+            for (int l = 0; l < n; ++l) {
+              CAPTURE(l);
+              const std::int64_t v = kv::budgeters::pyramid::layer_candidates(pp, P, C, l, n, 1);
+              const std::int64_t want = exact ? kvref::pyramid_exact(P, C, static_cast<double>(pp.beta), l, n, nullptr, 1)
+                                              : kvref::pyramid_integer(P, C, static_cast<double>(pp.beta), l, n, 1);
+              CHECK(v == want);
+              CHECK(v >= 1);
+              CHECK(v <= C);
+              CHECK(v <= 2 * P);  // CUDA's max_selected bound per head: 2B + 1
+              differs = differs || v != kv::budgeters::pyramid::layer_candidates(pp, P, C, l, n, 0);
+              // head_budget: a head with nothing protected (L = C, B = P) takes the raised min...
+              kv::detail::head_plan h;
+              h.length = C;
+              h.base_budget = P;
+              CHECK(kv::budgeters::pyramid::head_budget(pp, h, l, n) == v);
+              // ... a head with a sink keeps PyramidKV's min (its sink keeps it non-empty).
+              h.length = C + 1;
+              h.base_budget = P + 1;
+              h.sinks = 1;
+              const std::int64_t hv = kv::budgeters::pyramid::head_budget(pp, h, l, n);
+              CHECK(hv == 1 + kv::budgeters::pyramid::layer_candidates(pp, P, C, l, n, 0));
+              CHECK(hv >= 1);
+              sum += v;
+            }
+            if (exact) CHECK(sum == static_cast<std::int64_t>(n) * P);
+            raised += differs;
+          }
+  CHECK(raised > 100);
+}
+
+TEST_CASE("budgeter floors through the evictor (attack): GQA per query head / max / layer mean, ragged batches, sinks >= L, "
+          "CriticalAdaKV; max_selected == kept") {
+  kvtest::shape s;
+  s.batch = 3, s.kv_heads = 3, s.group = 2, s.cap = 24, s.d = 8, s.window = 3, s.hidden = 10;
+  // ragged: empty heads, 1- and 2-token heads (pass-through or not, by the budget), long heads
+  const std::vector<std::int32_t> lens = {24, 0, 2, 1, 24, 3, 5, 17, 24};
+  const std::vector<std::int32_t> equal_lens = {24, 24, 24, 3, 3, 3, 11, 11, 11};  // layer_mean needs equal lengths
+  int floored = 0, runs = 0;
+  struct gq {
+    kv::gqa_reduction lib;
+    kvref::gqa_kind ref;
+  };
+  for (const gq g : {gq{kv::gqa_reduction::per_query_head, kvref::gqa_kind::per_query_head}, gq{kv::gqa_reduction::max, kvref::gqa_kind::max},
+                     gq{kv::gqa_reduction::mean, kvref::gqa_kind::mean}, gq{kv::gqa_reduction::layer_mean, kvref::gqa_kind::layer_mean}})
+    for (std::int32_t sinks : {0, 2})
+      for (std::uint64_t seed = 7300; seed < 7302; ++seed) {
+        const auto& ln = g.lib == kv::gqa_reduction::layer_mean ? equal_lens : lens;
+        kvtest::problem pr = kvtest::make_problem(s, seed, 1.0, 1.5, 1.0, ln);
+        kvtest::quantize_wo<float>(pr);
+        kvtest::stored<float> st;
+        kvtest::store(pr, layout::nhd, st);
+        for (const kv::budget_request req : {kv::budget_request::tokens(sinks + 1), kv::budget_request::tokens(sinks + 2),
+                                             kv::budget_request::fraction(0.004), kv::budget_request::fraction(0.15)}) {
+          ref_config c;
+          c.scorer = scorer_kind::attention_weight;
+          c.spatial = spatial_kind::avg_pool;
+          c.gqa = g.ref;
+          c.num_recent = 0;
+          c.num_sink = sinks;
+          c.keep_tokens = req.keep_tokens;
+          c.keep_fraction = req.keep_fraction;
+          CAPTURE(kv::to_string(g.lib));
+          CAPTURE(sinks);
+          CAPTURE(seed);
+          CAPTURE(req.keep_tokens);
+          CAPTURE(req.keep_fraction);
+          auto rows_ok = [&](const kvtest::lib_result& lib, std::int64_t max_sel, const std::vector<kvtest::ref_row>& ref) {
+            REQUIRE(lib.st.ok());
+            CHECK(lib.indptr.back() == max_sel);  // max_selected is the exact kept count on the CPU
+            const std::int64_t H = lib.rows / s.batch;
+            for (std::int64_t r = 0; r < lib.rows; ++r) {
+              const std::int64_t L = pr.length(r / H, (r % H) / (H / s.kv_heads));
+              CAPTURE(r);
+              CHECK(ref[static_cast<std::size_t>(r)].plan.L == L);
+              CHECK((L == 0 || !lib.kept(r).empty()));
+              CHECK(static_cast<std::int64_t>(lib.kept(r).size()) == std::min(ref[static_cast<std::size_t>(r)].budget, L));
+              floored += sinks == 0 && L > 1 && lib.kept(r).size() == 1;
+            }
+          };
+          {  // AdaKV, alpha 0 (pure) and 1: per sequence the total is sum of B (pass-through: L)
+            for (float alpha : {0.0f, 1.0f}) {
+              auto p = kv::presets::adakv::defaults();
+              p.selector.num_recent = 0;
+              p.selector.num_sink = sinks;
+              p.gqa = g.lib;
+              p.budgeter.alpha = alpha;
+              auto cc = c;
+              cc.budgeter = kvtest::budget_kind::adakv;
+              cc.adakv_alpha = static_cast<double>(alpha);
+              kv::evictor<kv::presets::adakv, kv::cpu::backend> ev(p);
+              const auto lib = kvtest::run_lib(ev, st.in, req);
+              const auto ref = kvtest::reference_run(pr, cc);
+              rows_ok(lib, ev.max_selected(st.in, req), ref);
+              const std::string diff = kvtest::compare(lib, ref);
+              CHECK_MESSAGE(diff.empty(), diff);
+              ++runs;
+            }
+          }
+          {  // PyramidKV over all 6 layers: each evicting row sums to 6 B over the layers (exact)
+            auto p = kv::presets::pyramidkv::defaults();
+            p.selector.num_recent = 0;
+            p.selector.num_sink = sinks;
+            p.gqa = g.lib;
+            kv::evictor<kv::presets::pyramidkv, kv::cpu::backend> ev(p);
+            std::vector<std::int64_t> per_row;
+            std::vector<kvtest::ref_row> ref;
+            for (int layer = 0; layer < 6; ++layer) {
+              CAPTURE(layer);
+              st.in.layer_idx = layer;
+              st.in.num_layers = 6;
+              auto cc = c;
+              cc.budgeter = kvtest::budget_kind::pyramid;
+              cc.layer = layer, cc.num_layers = 6;
+              const auto lib = kvtest::run_lib(ev, st.in, req);
+              ref = kvtest::reference_run(pr, cc);
+              rows_ok(lib, ev.max_selected(st.in, req), ref);
+              const std::string diff = kvtest::compare(lib, ref);
+              CHECK_MESSAGE(diff.empty(), diff);
+              per_row.resize(static_cast<std::size_t>(lib.rows), 0);
+              for (std::int64_t r = 0; r < lib.rows; ++r) per_row[static_cast<std::size_t>(r)] += static_cast<std::int64_t>(lib.kept(r).size());
+              ++runs;
+            }
+            for (std::size_t r = 0; r < per_row.size(); ++r)
+              if (!ref[r].plan.pass) CHECK(per_row[r] == 6 * ref[r].plan.base);
+            st.in.layer_idx = 0;
+            st.in.num_layers = 1;
+          }
+          {  // CriticalAdaKV: AdaKV budgets on the primary score, then two stages; counts vs the reference
+            auto p = kv::presets::critical_adakv::defaults();
+            p.selector.num_recent = 0;
+            p.selector.num_sink = sinks;
+            p.gqa = g.lib;
+            auto cc = c;
+            cc.scorer = scorer_kind::attention_value_norm;
+            cc.temporal = kvref::temporal_kind::mean;
+            cc.kernel = 5;
+            cc.budgeter = kvtest::budget_kind::adakv;
+            cc.adakv_alpha = static_cast<double>(0.2f);
+            cc.first_stage_ratio = 0.5;
+            cc.eps = static_cast<double>(1e-4f);
+            kv::evictor<kv::presets::critical_adakv, kv::cpu::backend> ev(p);
+            const auto lib = kvtest::run_lib(ev, st.in, req);
+            const auto ref = kvtest::reference_run(pr, cc);
+            rows_ok(lib, ev.max_selected(st.in, req), ref);
+            ++runs;
+          }
+        }
+      }
+  MESSAGE("runs " << runs << ", rows floored to 1 token " << floored);
+  CHECK(floored > 50);
+}
