@@ -1,6 +1,8 @@
 // CPU reference runs for test_cuda (see cpu_reference.hpp).
 #include "cpu_reference.hpp"
 
+#include <cmath>
+
 #include "kvevict/backends/cpu/learned.hpp"
 #include "kvevict/cpu.hpp"
 
@@ -29,6 +31,22 @@ cpu_result cpu_run(const kvevict::layer_inputs<T>& in, const typename P::params&
   return r;
 }
 
+template <class P, class T>
+std::int64_t cpu_max_selected(const kvevict::layer_inputs<T>& in, const typename P::params& p, kvevict::budget_request budget) {
+  return kvevict::evictor<P, kvevict::cpu::backend>(p).max_selected(in, budget);
+}
+
+void value_norm_scorer::score_kv_head(const params& p, const kvevict::cpu::head_inputs& in, float* out) {
+  for (std::int64_t n = 0; n < in.length; ++n) {
+    double s = 0.0;
+    for (std::int64_t c = 0; c < in.head_dim; ++c) {
+      const double x = static_cast<double>(in.values[n * in.head_dim + c]);
+      s += x * x;
+    }
+    out[n] = static_cast<float>(std::pow(std::sqrt(s), static_cast<double>(p.power)));
+  }
+}
+
 #define KVEVICT_TEST_INST(P)                                                                                             \
   template cpu_result cpu_run<P, float>(const kvevict::layer_inputs<float>&, const P::params&, kvevict::budget_request); \
   template cpu_result cpu_run<P, kvevict::half_t>(const kvevict::layer_inputs<kvevict::half_t>&, const P::params&,        \
@@ -46,6 +64,16 @@ KVEVICT_TEST_INST(kvevict::presets::streaming_llm)
 KVEVICT_TEST_INST(kvevict::presets::key_norm)
 KVEVICT_TEST_INST(maxpool_policy)
 KVEVICT_TEST_INST(kvevict::lkv::full)
+template cpu_result cpu_run<user_scorer_policy, float>(const kvevict::layer_inputs<float>&, const user_scorer_policy::params&,
+                                                       kvevict::budget_request);
+template cpu_result cpu_run<user_scorer_policy, kvevict::bfloat16_t>(const kvevict::layer_inputs<kvevict::bfloat16_t>&,
+                                                                     const user_scorer_policy::params&, kvevict::budget_request);
+#define KVEVICT_TEST_MAX_SELECTED(P) \
+  template std::int64_t cpu_max_selected<P, float>(const kvevict::layer_inputs<float>&, const P::params&, kvevict::budget_request);
+KVEVICT_TEST_MAX_SELECTED(kvevict::presets::snapkv)
+KVEVICT_TEST_MAX_SELECTED(kvevict::presets::pyramidkv)
+KVEVICT_TEST_MAX_SELECTED(kvevict::presets::adakv)
+KVEVICT_TEST_MAX_SELECTED(kvevict::lkv::uniform_budgets)
 template cpu_result cpu_run<kvevict::lkv::uniform_budgets, kvevict::bfloat16_t>(const kvevict::layer_inputs<kvevict::bfloat16_t>&,
                                                                                 const kvevict::lkv::uniform_budgets::params&,
                                                                                 kvevict::budget_request);

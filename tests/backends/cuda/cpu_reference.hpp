@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "user_scorer.hpp"
 #include "kvevict/kvevict.hpp"
 
 namespace kvevict_test {
@@ -21,7 +22,13 @@ struct cpu_result {
 template <class P, class T>
 cpu_result cpu_run(const kvevict::layer_inputs<T>& in, const typename P::params& p, kvevict::budget_request budget);
 
-/// The policies the test instantiates (besides the presets).
+/// evictor<P, cpu::backend>::max_selected (exact: the CPU reads the host lengths), -1 on error.
+/// Instantiated for presets::snapkv (uniform budgets), pyramidkv, adakv and lkv::uniform_budgets
+/// with float.
+template <class P, class T>
+std::int64_t cpu_max_selected(const kvevict::layer_inputs<T>& in, const typename P::params& p, kvevict::budget_request budget);
+
+/// The policies the test instantiates (besides the presets; user_scorer_policy: float and bf16).
 using maxpool_policy = kvevict::eviction_policy<kvevict::scorers::attention_weight, kvevict::temporal::mean, kvevict::spatial::max_pool>;
 
 /// LKV compositions (kvevict::lkv::full, uniform_budgets, budgets_restkv, budgets_attention)

@@ -34,6 +34,43 @@
 namespace kv = kvevict;
 using kvevict_test::cpu_result;
 
+// The user scorer of user_scorer.hpp on CUDA, as examples/custom_policy_cuda.cu does it: a kernel
+// of its own and a scorer_impl specialisation (the CPU side is its score_kv_head hook).
+template <class T>
+__global__ void test_value_norm_kernel(kv::kv_view<const T> values, const std::int32_t* len, const std::uint8_t* needkv, int Hkv,
+                                       int G, std::int64_t S, float power, float* rows) {
+  const int kvi = blockIdx.y;
+  if (!needkv[kvi]) return;
+  const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= len[kvi]) return;
+  const int b = kvi / Hkv, h = kvi % Hkv;
+  double s = 0.0;
+  for (std::int64_t c = 0; c < values.extent[3]; ++c) {
+    const double x = kv::to_float(values(b, h, n, c));
+    s += x * x;
+  }
+  const float u = static_cast<float>(pow(sqrt(s), static_cast<double>(power)));
+  for (int g = 0; g < G; ++g) rows[(static_cast<std::int64_t>(kvi) * G + g) * S + n] = u;
+}
+
+namespace kvevict {
+namespace cuda {
+template <>
+struct scorer_impl<kvevict_test::value_norm_scorer> : scorer_impl_base {
+  template <class Policy, class T>
+  static status score(const score_job<Policy, T>& job, const scratch&) {
+    const layer_shape& sh = job.sh;
+    if (sh.S == 0) return {};
+    const dim3 grid(static_cast<unsigned>((sh.S + 255) / 256), static_cast<unsigned>(sh.nkv));
+    test_value_norm_kernel<T><<<grid, 256, 0, job.stream>>>(job.in->values, job.pb.len_kv, job.pb.needkv, sh.Hkv, sh.Gq, sh.S,
+                                                             job.p->scorer.power, job.rows);
+    KVEVICT_CUDA_CHECK_LAUNCH();
+    return {};
+  }
+};
+}  // namespace cuda
+}  // namespace kvevict
+
 namespace {
 
 bool g_small = false;  // KVEVICT_CUDA_TEST_GRID=small: seq {3, 129}, HND only
@@ -157,15 +194,27 @@ host_case<T> make_case(unsigned seed, int B, int Hkv, int G, int S, int W, int d
   return c;
 }
 
+/// The case's lengths as plan_options::host_lengths wants them: batch x kv_heads, row-major.
+std::vector<std::int32_t> host_lengths_of(const case_meta& c) {
+  std::vector<std::int32_t> h(static_cast<std::size_t>(c.B) * c.Hkv);
+  for (int b = 0; b < c.B; ++b)
+    for (int hk = 0; hk < c.Hkv; ++hk) h[static_cast<std::size_t>(b) * c.Hkv + hk] = c.len_of(b, hk);
+  return h;
+}
+
 struct gpu_result {
   kv::status st, dev;
   std::vector<std::int32_t> indptr, indices, positions;
   std::vector<float> scores;
   std::int64_t capacity = 0;
+  bool exact = false;  ///< capacity is the plan's exact kept count
 };
 
+/// plan() (with the host copy of the lengths unless host_lengths = false: then the device checks
+/// them) and run(plan) on device copies of the case; capacity = the plan's max_selected.
 template <class P, class T>
-gpu_result gpu_run(const host_case<T>& c, const typename P::params& p, kv::budget_request budget, cudaStream_t stream = nullptr) {
+gpu_result gpu_run(const host_case<T>& c, const typename P::params& p, kv::budget_request budget, cudaStream_t stream = nullptr,
+                   bool host_lengths = true) {
   gpu_result r;
   dbuf<T> k(c.k), v(c.v), q(c.q);
   dbuf<float> wo(c.wo);
@@ -174,19 +223,25 @@ gpu_result gpu_run(const host_case<T>& c, const typename P::params& p, kv::budge
   kv::cuda::backend be;
   be.stream = stream;
   kv::evictor<P, kv::cuda::backend> ev(p, be);
-  r.st = ev.can_implement(in, budget);
+  const std::vector<std::int32_t> hl = host_lengths_of(c);
+  kv::plan_options opt;
+  if (host_lengths) opt.host_lengths = hl.data();
+  kv::eviction_plan pl;
+  r.st = ev.plan(in, budget, &pl, opt);
   if (!r.st.ok()) return r;
-  const std::int64_t rows = in.batch() * ev.out_heads(in), S = in.capacity();
-  r.capacity = ev.max_selected(in, budget);
+  CHECK(pl.workspace_bytes == ev.workspace_size(in));
+  const std::int64_t rows = pl.rows, S = in.capacity();
+  r.capacity = pl.max_selected;
+  r.exact = pl.max_selected_exact;
   dbuf<std::int32_t> indptr(rows + 1), indices(r.capacity), positions(r.capacity);
   dbuf<float> scores(rows * S);
-  dbuf<unsigned char> ws(ev.workspace_size(in));
+  dbuf<unsigned char> ws(pl.workspace_bytes);
   kv::selection_view sel;
   sel.indptr = indptr.p;
   sel.indices = indices.p;
   sel.positions = positions.p;
   sel.capacity = r.capacity;
-  r.st = ev.run(in, budget, sel, ws.p, ws.n, scores.p);
+  r.st = ev.run(pl, in, sel, ws.p, ws.n, scores.p);
   if (!r.st.ok()) return r;
   r.dev = kv::cuda::read_device_status(ev.device_status_ptr(ws.p), stream);
   CUDA_OK(cudaDeviceSynchronize());
@@ -234,6 +289,7 @@ void compare_results(const char* name, const case_meta& c, const policy_meta& pm
   const std::int64_t rows = static_cast<std::int64_t>(cr.indptr.size()) - 1, S = c.S;
   REQUIRE(gr.indptr.size() == cr.indptr.size());
   CHECK(gr.capacity >= cr.indptr.back());
+  if (gr.exact) CHECK(gr.capacity == cr.indptr.back());  // host lengths and host budgets: the CPU's exact count
   const bool adakv = pm.adakv;
   const std::int64_t H = rows / c.B;
   // budgets
@@ -248,7 +304,7 @@ void compare_results(const char* name, const case_meta& c, const policy_meta& pm
       std::vector<float> all;
       std::int64_t total_t = 0;
       for (std::int64_t h = 0; h < H; ++h) {
-        const auto pl = kv::detail::plan_head(budget, pm.selector, c.lens[b], c.W);
+        const auto pl = kv::detail::plan_head(budget, pm.selector, c.len_of(b, h / (H / c.Hkv)), c.window());
         if (pl.pass_through) continue;
         total_t += pl.base_budget - pl.protected_count();
         for (std::int64_t n = pl.sinks; n < pl.evictable_end(); ++n) all.push_back(cr.scores[(b * H + h) * S + n]);
@@ -575,7 +631,49 @@ void run_lkv_artifact(const kv::io::lkv_artifact& art, const kv::cuda::lkv_devic
   }
 }
 
+/// The user scorer (user_scorer.hpp) on both backends: seq 1 .. 4097 x head_dim 8/64/128 x GQA
+/// 1/2/4 x NHD/HND x mean / max / per-query-head GQA, power 1 and 0.5, tokens and fraction budgets,
+/// per-sequence and ragged per-head lengths (the storage type T: float and bf16).
+template <class T>
+void run_user_grid(compare_stats& cs) {
+  using P = kvevict_test::user_scorer_policy;
+  std::vector<int> seqs = g_tiny ? std::vector<int>{129} : g_small ? std::vector<int>{3, 129} : std::vector<int>{1, 3, 27, 129, 4097};
+  const int dims[3] = {8, 64, 128};
+  const kv::gqa_reduction modes[3] = {kv::gqa_reduction::mean, kv::gqa_reduction::max, kv::gqa_reduction::per_query_head};
+  unsigned seed = 70000u + 1000u * static_cast<unsigned>(kv::dtype_of<T>::value);
+  int idx = 0;
+  for (int layout = (g_small || g_tiny) ? 1 : 0; layout < 2; ++layout)
+    for (int S : seqs) {
+      ++idx;
+      const int d = dims[idx % 3], G = 1 << (idx % 3), W = std::min(S, 8);
+      auto c = make_case<T>(++seed, 2, 2, G, S, W, d, layout ? kv::kv_layout::hnd : kv::kv_layout::nhd, false);
+      auto p = P::defaults();
+      p.gqa = modes[idx % 3];
+      p.scorer.power = idx % 2 ? 1.0f : 0.5f;
+      p.selector.num_sink = 2;
+      p.spatial.kernel = 3;
+      compare<P>("user value_norm", c, p, kv::budget_request::fraction(0.3), cs);
+      auto cr = c;  // ragged per-head lengths
+      cr.per_head = true;
+      cr.lens.assign(static_cast<std::size_t>(2) * 2, S);
+      std::mt19937 lr(seed);
+      for (std::size_t i = 1; i < cr.lens.size(); ++i) cr.lens[i] = std::max(W, 1 + static_cast<int>(lr() % static_cast<unsigned>(S)));
+      compare<P>("user value_norm, ragged", cr, p, kv::budget_request::tokens(std::max(1, S / 4)), cs);
+    }
+}
+
 }  // namespace
+
+TEST_CASE("cuda vs cpu: a user-defined scorer (cuda::scorer_impl) equals its CPU hook") {
+  compare_stats cs;
+  run_user_grid<float>(cs);
+  run_user_grid<kv::bfloat16_t>(cs);
+  MESSAGE("user scorer: rows ", cs.rows, ", compared exactly ", cs.rows_exact, ", near-ties skipped ", cs.rows_near_tie, ", scores ",
+          cs.scores_compared, " (", cs.score_bad, " outside tolerance), kept ", cs.kept, " of ", cs.total, " tokens");
+  CHECK(cs.rows_exact > cs.rows / 2);
+  CHECK(cs.kept < cs.total);
+  CHECK(cs.score_bad <= cs.scores_compared / 1000 + 5);
+}
 
 TEST_CASE("cuda vs cpu: LKV policies (learned scorer and budgets) over the grid") {
   compare_stats cs;
@@ -681,8 +779,13 @@ TEST_CASE("cuda: LKV unequal head lengths without budgeter.num_tokens land in th
 }
 
 TEST_CASE("host: LKV max_selected on CUDA bounds the CPU's exact kept count") {
+  // LKV-H's tables are device memory, so the host cannot compute its budgets: the plan's
+  // max_selected is the bound batch * out_heads * seq (exact = false) with or without host
+  // lengths, and it must bound the CPU's exact count. With uniform budgets (lkv::uniform_budgets,
+  // the same learned scorer) and host lengths the plan is exact: the CPU's max_selected.
   using P = kv::lkv::full;
-  int compared = 0;
+  using PU = kv::lkv::uniform_budgets;
+  int compared = 0, exact_uniform = 0;
   long long slack_sum = 0;
   for (unsigned seed = 1; seed <= 300; ++seed) {
     CAPTURE(seed);
@@ -717,12 +820,36 @@ TEST_CASE("host: LKV max_selected on CUDA bounds the CPU's exact kept count") {
     kv::evictor<P, kv::cuda::backend> ev(pg);
     const kv::status ci = ev.can_implement(hin, budget);
     REQUIRE_MESSAGE(ci.ok(), ci.message());
-    const std::int64_t bound = ev.max_selected(hin, budget);
+    const std::int64_t bound = ev.max_selected(hin, budget);  // hin.lengths taken as device memory
+    const std::int64_t rows = hin.batch() * ev.out_heads(hin);
+    CHECK(bound == rows * S);
     CHECK(bound >= cr.indptr.back());
+    const auto hl = host_lengths_of(c);
+    kv::plan_options opt;
+    opt.host_lengths = hl.data();
+    kv::eviction_plan pl;
+    REQUIRE(ev.plan(hin, budget, &pl, opt).ok());
+    CHECK_FALSE(pl.max_selected_exact);  // the LKV-H tables are device-only
+    CHECK(pl.max_selected == bound);
     slack_sum += bound - cr.indptr.back();
     ++compared;
+    // the learned scorer with uniform budgets: exact with host lengths
+    auto pu = PU::defaults();
+    pu.scorer = pg.scorer;
+    pu.selector = pc.selector;
+    pu.gqa = pc.gqa;
+    auto pu_cpu = pu;
+    pu_cpu.scorer = pc.scorer;
+    kv::evictor<PU, kv::cuda::backend> evu(pu);
+    kv::eviction_plan plu;
+    REQUIRE(evu.plan(hin, budget, &plu, opt).ok());
+    CHECK(plu.max_selected_exact);
+    CHECK(plu.max_selected == kvevict_test::cpu_max_selected<PU, float>(hin, pu_cpu, budget));
+    CHECK(plu.max_selected <= evu.max_selected(hin, budget));  // the bound without host lengths
+    exact_uniform += plu.max_selected_exact;
   }
   CHECK(compared == 300);
+  CHECK(exact_uniform == 300);
   MESSAGE("LKV max_selected: ", compared, " cases, mean slack ", static_cast<double>(slack_sum) / compared, " tokens");
 }
 
@@ -762,8 +889,215 @@ TEST_CASE("host: LKV tables must live where the backend reads them") {
   bad = pd;
   bad.scorer.layer = 3;
   CHECK(kv::evictor<P, kv::cuda::backend>(bad).can_implement(hin, budget).code() == kv::errc::invalid_argument);
-  // LKV-H with a window-protecting composition: the bound still holds (seq per row)
+  // LKV-H: the host cannot compute the budgets from device tables, so max_selected is the bound
+  // seq per row, without and with host lengths (exact only when the budgets are host-computable)
   CHECK(kv::evictor<P, kv::cuda::backend>(pd).max_selected(hin, budget) == 1 * 2 * 40);
+  const auto hl = host_lengths_of(c);
+  kv::plan_options opt;
+  opt.host_lengths = hl.data();
+  kv::eviction_plan pl;
+  REQUIRE(kv::evictor<P, kv::cuda::backend>(pd).plan(hin, budget, &pl, opt).ok());
+  CHECK(pl.max_selected == 1 * 2 * 40);
+  CHECK_FALSE(pl.max_selected_exact);
+}
+
+/// plan() on CUDA with host lengths against the CPU evictor's exact max_selected and its kept
+/// count (cpu_run), for one policy: per_head / ragged lengths, no lengths view, and the bound
+/// without host lengths. Returns the number of cases where the bound was loose (the exact count is
+/// then strictly smaller).
+template <class P>
+int check_exact_max_selected(unsigned seed, const host_case<float>& c, const typename P::params& p, kv::budget_request budget) {
+  CAPTURE(seed);
+  CAPTURE(c.S);
+  CAPTURE(c.per_head);
+  CAPTURE(budget.keep_tokens);
+  CAPTURE(budget.keep_fraction);
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  const std::int64_t cpu = kvevict_test::cpu_max_selected<P, float>(hin, p, budget);
+  REQUIRE(cpu >= 0);
+  const auto cr = kvevict_test::cpu_run<P, float>(hin, p, budget);
+  REQUIRE_MESSAGE(cr.st.ok(), cr.st.message());
+  CHECK(cr.indptr.back() == cpu);
+  kv::evictor<P, kv::cuda::backend> ev(p);
+  const auto hl = host_lengths_of(c);
+  kv::plan_options opt;
+  opt.host_lengths = hl.data();
+  kv::eviction_plan pl;
+  const kv::status ps = ev.plan(hin, budget, &pl, opt);  // hin's pointers are never dereferenced by the CUDA evictor
+  REQUIRE_MESSAGE(ps.ok(), ps.message());
+  CHECK(pl.max_selected_exact);
+  CHECK(pl.max_selected == cpu);
+  CHECK(pl.rows == hin.batch() * ev.out_heads(hin));
+  CHECK(pl.workspace_bytes == ev.workspace_size(hin));
+  // without host lengths: the bound from the shapes (the old CUDA max_selected)
+  kv::eviction_plan pb;
+  REQUIRE(ev.plan(hin, budget, &pb).ok());
+  CHECK_FALSE(pb.max_selected_exact);
+  CHECK(pb.max_selected == ev.max_selected(hin, budget));
+  CHECK(pb.max_selected >= cpu);
+  CHECK(pb.workspace_bytes == pl.workspace_bytes);
+  // without a lengths view every head holds seq tokens: exact again, with or without host lengths
+  auto nin = hin;
+  nin.lengths = kv::lengths_view{};
+  kv::eviction_plan pn;
+  REQUIRE(ev.plan(nin, budget, &pn).ok());
+  CHECK(pn.max_selected_exact);
+  CHECK(pn.max_selected == kvevict_test::cpu_max_selected<P, float>(nin, p, budget));
+  CHECK(pn.max_selected == ev.max_selected(nin, budget));
+  return pb.max_selected > cpu ? 1 : 0;
+}
+
+TEST_CASE("host: plan() with host lengths gives the CPU's exact max_selected (uniform, pyramid, adakv; ragged lengths)") {
+  std::mt19937 rng(17);
+  int cases = 0, loose = 0;
+  const kv::gqa_reduction modes[3] = {kv::gqa_reduction::mean, kv::gqa_reduction::max, kv::gqa_reduction::per_query_head};
+  for (unsigned seed = 1; seed <= 60; ++seed) {
+    const int S = 1 + static_cast<int>(rng() % 300), W = std::min(S, 1 + static_cast<int>(rng() % 16));
+    const int G = 1 + static_cast<int>(rng() % 3), B = 1 + static_cast<int>(rng() % 3), Hkv = 1 + static_cast<int>(rng() % 3);
+    auto c = make_case<float>(seed, B, Hkv, G, S, W, 8, seed % 2 ? kv::kv_layout::hnd : kv::kv_layout::nhd, false);
+    if (seed % 3 != 0) {  // ragged per-head lengths (some below the window, some 0)
+      c.per_head = true;
+      c.lens.resize(static_cast<std::size_t>(B) * Hkv);
+      for (auto& L : c.lens) L = static_cast<int>(rng() % static_cast<unsigned>(S + 1));
+      c.lens.back() = S;
+    }
+    const kv::gqa_reduction mode = modes[seed % 3];
+    const std::int32_t sink = static_cast<std::int32_t>(rng() % 4), recent = seed % 4 == 0 ? -1 : static_cast<std::int32_t>(rng() % 6);
+    const int protect = sink + (recent >= 0 ? recent : W);  // a token budget must hold them
+    const kv::budget_request budget =
+        seed % 2 ? kv::budget_request::fraction(0.02 + 0.9 * (rng() % 100) / 100.0)
+                 : kv::budget_request::tokens(protect + 1 + static_cast<int>(rng() % static_cast<unsigned>(S + 8)));
+    {
+      using P = kv::presets::snapkv;  // uniform budgets
+      auto p = P::defaults();
+      p.gqa = mode;
+      p.selector.num_sink = sink;
+      p.selector.num_recent = recent;
+      loose += check_exact_max_selected<P>(seed, c, p, budget);
+    }
+    {
+      using P = kv::presets::pyramidkv;
+      auto cl = c;
+      cl.num_layers = 1 + static_cast<int>(rng() % 8);
+      cl.layer_idx = static_cast<std::int32_t>(rng() % static_cast<unsigned>(cl.num_layers));
+      auto p = P::defaults();
+      p.gqa = mode;
+      p.selector.num_sink = sink;
+      p.selector.num_recent = recent;
+      p.budgeter.exact_total = seed % 2 == 0;
+      loose += check_exact_max_selected<P>(seed, cl, p, budget);
+    }
+    {
+      using P = kv::presets::adakv;
+      auto p = P::defaults();
+      p.gqa = mode;
+      p.selector.num_sink = sink;
+      p.selector.num_recent = recent;
+      loose += check_exact_max_selected<P>(seed, c, p, budget);
+    }
+    cases += 3;
+  }
+  CHECK(cases == 180);
+  CHECK(loose > cases / 4);  // non-vacuous: the bound without host lengths is often not the exact count
+  MESSAGE("exact max_selected: ", cases, " plans equal to the CPU's, ", loose, " where the shape bound is loose");
+}
+
+TEST_CASE("host: run(plan) accepts only a current plan of this evictor for inputs of its shapes") {
+  using P = kv::presets::snapkv;
+  const auto c = make_case<float>(41, 2, 2, 2, 64, 8, 8, kv::kv_layout::nhd, false);
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  const auto budget = kv::budget_request::tokens(20);
+  kv::evictor<P, kv::cuda::backend> ev;
+  kv::eviction_plan pl;
+  REQUIRE(ev.plan(hin, budget, &pl).ok());
+  // Null outputs: a run that gets past the plan check stops at the pointers, before any launch.
+  const kv::selection_view none{};
+  auto msg = [](const kv::status& s) { return std::string(s.message() ? s.message() : ""); };
+  {  // the plan itself is accepted
+    const kv::status s = ev.run(pl, hin, none, nullptr, 0);
+    CHECK(s.code() == kv::errc::null_pointer);
+  }
+  {  // a plan that was never made
+    const kv::status s = ev.run(kv::eviction_plan{}, hin, none, nullptr, 0);
+    CHECK(s.code() == kv::errc::invalid_argument);
+    CHECK(msg(s).find("not valid") != std::string::npos);
+  }
+  {  // another evictor's plan (a copy is another owner too)
+    kv::evictor<P, kv::cuda::backend> other;
+    const kv::status s = other.run(pl, hin, none, nullptr, 0);
+    CHECK(s.code() == kv::errc::invalid_argument);
+    CHECK(msg(s).find("another evictor") != std::string::npos);
+    const auto copy = ev;
+    CHECK(copy.run(pl, hin, none, nullptr, 0).code() == kv::errc::invalid_argument);
+  }
+  {  // inputs of other shapes: another seq extent, another layout (strides), another layer, no queries
+    const auto c2 = make_case<float>(42, 2, 2, 2, 65, 8, 8, kv::kv_layout::nhd, false);
+    const auto in2 = c2.views(c2.k.data(), c2.v.data(), c2.q.data(), c2.wo.data(), c2.lens.data(), c2.pos.data());
+    const kv::status s = ev.run(pl, in2, none, nullptr, 0);
+    CHECK(s.code() == kv::errc::invalid_argument);
+    CHECK(msg(s).find("do not match the plan") != std::string::npos);
+    const auto c3 = make_case<float>(41, 2, 2, 2, 64, 8, 8, kv::kv_layout::hnd, false);
+    const auto in3 = c3.views(c3.k.data(), c3.v.data(), c3.q.data(), c3.wo.data(), c3.lens.data(), c3.pos.data());
+    CHECK(ev.run(pl, in3, none, nullptr, 0).code() == kv::errc::invalid_argument);
+    auto in4 = hin;
+    in4.layer_idx = 1;
+    in4.num_layers = 2;
+    CHECK(ev.run(pl, in4, none, nullptr, 0).code() == kv::errc::invalid_argument);
+    auto in5 = hin;
+    in5.queries = kv::query_view<const float>{};
+    CHECK(ev.run(pl, in5, none, nullptr, 0).code() == kv::errc::invalid_argument);
+    // other data of the same shapes is fine (the plan fixes shapes, not pointers)
+    auto in6 = hin;
+    in6.keys.data = c3.k.data();
+    CHECK(ev.run(pl, in6, none, nullptr, 0).code() == kv::errc::null_pointer);
+  }
+  {  // const access keeps the plan; the mutable params() makes it stale
+    CHECK(static_cast<const kv::evictor<P, kv::cuda::backend>&>(ev).params().selector.num_sink >= 0);
+    CHECK(ev.run(pl, hin, none, nullptr, 0).code() == kv::errc::null_pointer);
+    ev.params().spatial.kernel = 7;
+    const kv::status s = ev.run(pl, hin, none, nullptr, 0);
+    CHECK(s.code() == kv::errc::invalid_argument);
+    CHECK(msg(s).find("stale") != std::string::npos);
+    kv::eviction_plan fresh;
+    REQUIRE(ev.plan(hin, budget, &fresh).ok());
+    CHECK(ev.run(fresh, hin, none, nullptr, 0).code() == kv::errc::null_pointer);
+    auto ev2 = ev;  // assigning another evictor's state makes the plans stale too
+    ev2 = kv::evictor<P, kv::cuda::backend>();
+    kv::eviction_plan p2;
+    REQUIRE(ev2.plan(hin, budget, &p2).ok());
+    ev2 = ev;
+    CHECK(ev2.run(p2, hin, none, nullptr, 0).code() == kv::errc::invalid_argument);
+    pl = fresh;
+  }
+  {  // the outputs and the workspace size are checked against the plan
+    std::int32_t dummy[4] = {};
+    kv::selection_view sel;
+    sel.indptr = dummy;
+    sel.indices = dummy;
+    sel.capacity = 1;
+    unsigned char byte = 0;
+    const kv::status s = ev.run(pl, hin, sel, &byte, pl.workspace_bytes - 1);
+    CHECK(s.code() == kv::errc::insufficient_workspace);
+    CHECK(ev.run(pl, hin, sel, nullptr, pl.workspace_bytes).code() == kv::errc::insufficient_workspace);
+  }
+  {  // plan-time errors: the lengths with a host copy, the backend's limits, a null plan
+    auto bad = c;
+    bad.lens[0] = 65;
+    const auto bin = bad.views(bad.k.data(), bad.v.data(), bad.q.data(), bad.wo.data(), bad.lens.data(), bad.pos.data());
+    const auto hl = host_lengths_of(bad);
+    kv::plan_options opt;
+    opt.host_lengths = hl.data();
+    kv::eviction_plan bp;
+    const kv::status s = ev.plan(bin, budget, &bp, opt);
+    CHECK(s.code() == kv::errc::invalid_argument);
+    CHECK(msg(s).find("lengths(b=0, h=0) = 65 is outside [0, seq = 64]") != std::string::npos);
+    CHECK_FALSE(bp.valid);
+    CHECK(ev.plan(bin, budget, &bp).ok());  // device-only lengths: checked by the kernels instead
+    CHECK(ev.plan(hin, budget, nullptr).code() == kv::errc::null_pointer);
+    const auto wide = make_case<float>(43, 1, 1, 1, 16, 4, 264, kv::kv_layout::hnd, false);
+    const auto win = wide.views(wide.k.data(), wide.v.data(), wide.q.data(), wide.wo.data(), wide.lens.data(), wide.pos.data());
+    CHECK(ev.can_implement(win, kv::budget_request::tokens(8)).code() == kv::errc::not_supported);
+  }
 }
 
 /// team_apportion's team as host threads (a generation barrier): the block decomposition of
@@ -1214,7 +1548,7 @@ TEST_CASE("cuda: data errors land in the device status word") {
   const auto budget = kv::budget_request::tokens(20);
   SUBCASE("length outside [0, seq]") {
     c.lens[0] = 65;
-    const auto r = gpu_run<P>(c, P::defaults(), budget);
+    const auto r = gpu_run<P>(c, P::defaults(), budget, nullptr, /*host_lengths=*/false);
     REQUIRE(r.st.ok());
     CHECK(r.dev.code() == kv::errc::invalid_argument);
     CHECK(std::string(r.dev.message()).find("lengths(b=0") != std::string::npos);

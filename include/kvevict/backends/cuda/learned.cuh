@@ -8,10 +8,12 @@
 //   kvevict::evictor<kvevict::lkv::full, kvevict::cuda::backend> ev(kvevict::lkv::full_params(tables), {stream});
 //   ev.run(layer_inputs, kvevict::budget_request::fraction(0.1), selection, ws, ws_bytes);  // layer by layer
 //
-// How the pieces run on the device (backends/cuda/evictor.cuh, docs/cuda.md):
-//  - scorers::learned_mlp: cuda::detail::lkv_mlp_kernel, a shared-memory tiled fp64 GEMM of
-//    the tokens' [k ; v] with the layer's MLPs, into the per-query-head score rows.
-//  - budgeters::headwise_learned: the plan kernel's block of each sequence runs the steps of
+// How the pieces run on the device (their implementation traits, docs/cuda.md):
+//  - scorers::learned_mlp (backends/cuda/scorers/learned_mlp.cuh): cuda::detail::lkv_mlp_kernel,
+//    a shared-memory tiled fp64 GEMM of the tokens' [k ; v] with the layer's MLPs, into the
+//    per-query-head score rows.
+//  - budgeters::headwise_learned (backends/cuda/budgeters/headwise_learned.cuh): the plan
+//    kernel's block of each sequence runs the steps of
 //    headwise_learned::layer_slice (the CPU hook's own host-device code; the apportionment by
 //    the whole block, bit for bit) on the ratios r that lkv_device_tables computed on the host
 //    with detail::lkv_ratios, so budgets are bit-identical to the CPU backend's. Scratch comes

@@ -1,10 +1,12 @@
 // IWYU pragma: private, include "kvevict/cuda.cuh"
-// CUDA kernels of the stages after scoring: per-head plans and score-free budgets (device-side
-// length checks), temporal weights, GQA reduction, spatial smoothing (avg / max / adaptive
-// window), AdaKV budgets, CSR counts and the per-head top-k selection with protected tokens.
-// Budget arithmetic is the host-device code of core/budget_rules.hpp, policies/budgeters.hpp
-// and core/apportion.hpp (LKV-H: budgeters::headwise_learned::layer_slice of
-// policies/learned.hpp), so budgets are bit-identical to the CPU backend's.
+// CUDA kernel library of the stages after scoring: per-head plans and score-free budgets
+// (device-side length checks), temporal weights, GQA reduction, spatial smoothing (avg / max /
+// adaptive window), AdaKV budgets, the LKV-H block code, CSR counts and the per-head top-k
+// selection with protected tokens. The stages' implementation traits (backends/cuda/impl.cuh and
+// the files beside it) launch them. Budget arithmetic is the host-device code of
+// core/budget_rules.hpp, policies/budgeters.hpp and core/apportion.hpp (LKV-H:
+// budgeters::headwise_learned::layer_slice of policies/learned.hpp), so budgets are bit-identical
+// to the CPU backend's.
 #pragma once
 
 #include <cmath>
@@ -14,7 +16,8 @@
 #include "kvevict/backends/cuda/backend.cuh"
 #include "kvevict/core/apportion.hpp"
 #include "kvevict/core/budget_rules.hpp"
-#include "kvevict/core/policy.hpp"
+#include "kvevict/frontend/frontend.hpp"
+#include "kvevict/policies/policy.hpp"
 #include "kvevict/policies/budgeters.hpp"
 #include "kvevict/policies/learned.hpp"
 #include "kvevict/policies/spatial.hpp"
@@ -155,19 +158,6 @@ struct block_team {
   }
 };
 
-/// Budgeters that allocate a whole layer (over the whole model) at once: LKV-H.
-template <class Budgeter>
-struct is_layer_budgeter : std::is_same<Budgeter, budgeters::headwise_learned> {};
-
-/// Workspace scratch of a layer budgeter: n = num_layers * kv_heads entries per sequence.
-struct layer_budget_scratch {
-  double* share = nullptr;
-  std::int64_t* capv = nullptr;
-  unsigned char* clipped = nullptr;
-  std::int64_t* all = nullptr;
-  std::int64_t n = 0;
-};
-
 /// The LKV-H budgets of one sequence (every rank of the team calls it; on the device the
 /// plan kernel's block): rank 0 runs headwise_learned::slice_begin and the water-filling
 /// shares, the team apportions (team_apportion), rank 0 applies the layer's slice and sets the
@@ -205,21 +195,21 @@ KVEVICT_HOST_DEVICE void lkv_sequence_budgets(Team& tm, typename Budgeter::slice
 }
 
 /// One block per sequence: validate and clamp lengths (device status on error), plan every
-/// KV head and out row, score-free budgets, the "needs scoring" flags (per row and per KV head).
-/// Layer budgeters (LKV-H): lkv_sequence_budgets, i.e. the steps of
-/// budgeters::headwise_learned::layer_slice (the code of the CPU hook) on the precomputed
-/// ratios (bp.ratios) with the sequence's slice of `lb` as scratch: thread 0 runs slice_begin
-/// and the water-filling shares (O(n) per clipping round, n = num_layers * kv_heads), the
-/// block runs the apportionment (team_apportion: apportion's result bit for bit), thread 0
-/// applies the layer's slice. Budgets are bit-identical to the CPU's. Unequal lengths with
-/// num_tokens = 0 -> device_check::lkv_lengths.
-template <class Budgeter, bool HasScores>
-__global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req, selectors::topk::params sp,
-                            typename Budgeter::params bp, device_status* st, std::int32_t* len_kv, head_plan* plankv,
-                            std::uint8_t* needkv, head_plan* plans, std::int64_t* budgets, std::uint8_t* need,
-                            layer_budget_scratch lb) {
-  constexpr bool layer_budgeter = is_layer_budgeter<Budgeter>::value;
-  (void)lb;
+/// KV head and out row, score-free budgets, the "needs scoring" flags (per row and per KV head):
+/// the budget rules of frontend<Policy>::sequence_budgets on the device. By the budgeter's
+/// budget_kind: per_head: Budgeter::head_budget (host-device); score_driven: base budgets (the
+/// budgeter's implementation moves them after scoring); whole_layer (LKV-H):
+/// BudgeterImpl::sequence_budgets, called by the whole block after the sequence's plans are
+/// written (it synchronises the block before reading them; budgeters::headwise_learned: lkv_sequence_budgets below, budgets bit-identical to the
+/// CPU's; its scratch `bs` comes from the workspace). Protection: the selector's parameters
+/// (num_sink, num_recent, recent_share).
+template <class Budgeter, class BudgeterImpl, bool HasScores, class Protection>
+__global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req, Protection sp, typename Budgeter::params bp,
+                            device_status* st, std::int32_t* len_kv, head_plan* plankv, std::uint8_t* needkv, head_plan* plans,
+                            std::int64_t* budgets, std::uint8_t* need, typename BudgeterImpl::scratch bs) {
+  using kvevict::detail::budget_kind;
+  constexpr budget_kind kind = kvevict::detail::budget_kind_of<Budgeter>;
+  (void)bs;
   const int b = blockIdx.x;
   for (int h = threadIdx.x; h < sh.Hkv; h += blockDim.x) {
     std::int64_t L = lens.data ? static_cast<std::int64_t>(lens(b, h)) : sh.S;
@@ -242,10 +232,10 @@ __global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req
     const std::int64_t r = static_cast<std::int64_t>(b) * sh.H + h;
     const head_plan pl = plankv[b * sh.Hkv + h / sh.Gout];
     plans[r] = pl;
-    if constexpr (Budgeter::needs_scores) {
+    if constexpr (kind == budget_kind::score_driven) {
       budgets[r] = pl.pass_through ? pl.length : pl.base_budget;
       need[r] = (HasScores && !pl.pass_through) ? 1 : 0;
-    } else if constexpr (layer_budgeter) {
+    } else if constexpr (kind == budget_kind::whole_layer) {
       budgets[r] = pl.length;  // set below, once the sequence's plans are known
       need[r] = 0;
     } else {
@@ -254,25 +244,8 @@ __global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req
       need[r] = (HasScores && bud < pl.length) ? 1 : 0;
     }
   }
-  if constexpr (layer_budgeter) {
-    __shared__ typename Budgeter::slice_state lst;
-    __shared__ int lrc;
-    __shared__ long long lbad[3];
-    __shared__ block_team::storage team_sm;
-    const std::int64_t r0 = static_cast<std::int64_t>(b) * sh.H, o = static_cast<std::int64_t>(b) * lb.n;
-    kvevict::detail::lkv_fill_scratch s;
-    s.share = lb.share + o;
-    s.capv = lb.capv + o;
-    s.clipped = lb.clipped + o;
-    __syncthreads();  // the plans of the sequence are written
-    block_team team{team_sm};
-    lkv_sequence_budgets<Budgeter>(team, lst, lrc, lbad, bp, req, plans + r0, sh.H, sh.layer, HasScores, s, lb.all + o, budgets + r0,
-                                   need + r0);
-    if (threadIdx.x == 0 && lrc == Budgeter::slice_unequal_lengths)
-      report(st, errc::invalid_argument, device_check::lkv_lengths, b, lbad[0], lbad[1], lbad[2]);
-    else if (threadIdx.x == 0 && lrc != Budgeter::slice_ok)
-      report(st, errc::invalid_argument, device_check::lkv_apportion, b, lbad[0], lbad[1], lbad[2]);
-  }
+  if constexpr (kind == budget_kind::whole_layer)
+    BudgeterImpl::sequence_budgets(b, sh, req, bp, HasScores, plans, budgets, need, st, bs);  // synchronises first
   __syncthreads();
   if (sh.layer_mean && threadIdx.x == 0) {
     std::uint8_t any = 0;
