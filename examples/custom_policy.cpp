@@ -20,35 +20,10 @@
 #include <random>
 #include <vector>
 
-struct value_norm_scorer {
-  struct params {
-    float power = 1.0f;  // score = ||v||^power
-  };
-  static constexpr const char* name = "value_norm";
-  static constexpr bool needs_queries = false;
-  static constexpr bool needs_values = true;
-  static constexpr bool window_attention = false;
-  static constexpr bool has_scores = true;
-  static bool needs_wo_factor(const params&) { return false; }
-  static kvevict::status check(const params& p) {
-    if (!(p.power > 0.0f)) return kvevict::status::error(kvevict::errc::invalid_argument, "scorer.power = %g must be > 0", p.power);
-    return {};
-  }
-};
-
-// The CPU implementation of value_norm_scorer. score_head sees one (sequence, KV head):
-// out[n] for n < in.length; in.values is L x d row-major fp32. (A scorer that reads the window
-// queries gets in.queries and the policy's temporal weights in.temporal_weights.)
-template <>
-struct kvevict::cpu::scorer_impl<value_norm_scorer> : kvevict::cpu::head_scorer<kvevict::cpu::scorer_impl<value_norm_scorer>> {
-  static void score_head(const value_norm_scorer::params& p, const kvevict::cpu::head_inputs& in, float* out) {
-    for (std::int64_t n = 0; n < in.length; ++n) {
-      double s = 0.0;
-      for (std::int64_t c = 0; c < in.head_dim; ++c) s += double(in.values[n * in.head_dim + c]) * in.values[n * in.head_dim + c];
-      out[n] = static_cast<float>(std::pow(std::sqrt(s), double(p.power)));
-    }
-  }
-};
+// The scorer: the policy and its CPU implementation (examples/value_norm/; the same policy runs on
+// CUDA with value_norm_cuda.cuh, examples/custom_policy_cuda.cu).
+#include "value_norm/value_norm.hpp"
+#include "value_norm/value_norm_cpu.hpp"
 
 struct median3 {
   struct params {};

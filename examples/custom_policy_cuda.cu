@@ -12,66 +12,12 @@
 #include <random>
 #include <vector>
 
-// 1. The policy: parameters, capability flags and the parameter check (backend-neutral; the
-//    same struct as in custom_policy.cpp, without the CPU hook).
-struct value_norm_scorer {
-  struct params {
-    float power = 1.0f;  // score = ||v||^power
-  };
-  static constexpr const char* name = "value_norm";
-  static constexpr bool needs_queries = false;
-  static constexpr bool needs_values = true;
-  static constexpr bool window_attention = false;
-  static constexpr bool has_scores = true;
-  static bool needs_wo_factor(const params&) { return false; }
-  static kvevict::status check(const params& p) {
-    if (!(p.power > 0.0f)) return kvevict::status::error(kvevict::errc::invalid_argument, "scorer.power = %g must be > 0", p.power);
-    return {};
-  }
-};
+// 1. The policy (backend-neutral) and 2. its CUDA implementation: a kernel and the trait
+//    kvevict::cuda::scorer_impl<value_norm_scorer>, in files of their own (examples/value_norm/).
+#include "value_norm/value_norm.hpp"
+#include "value_norm/value_norm_cuda.cuh"
 
-// 2. Its kernel: one thread per (KV head, token). Row layout of the scorer's output (see
-//    kvevict::cuda::score_job): rows[(kvi * G + g) * S + n] for the G query heads g of KV head
-//    kvi = b * kv_heads + h and the valid tokens n < len[kvi]; a query-free scorer writes the same
-//    score G times. Heads with needkv[kvi] = 0 keep everything and need no scores.
-template <class T>
-__global__ void value_norm_kernel(kvevict::kv_view<const T> values, const std::int32_t* len, const std::uint8_t* needkv, int kv_heads,
-                                  int G, std::int64_t S, float power, float* rows) {
-  const int kvi = blockIdx.y;
-  if (!needkv[kvi]) return;
-  const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (n >= len[kvi]) return;
-  const int b = kvi / kv_heads, h = kvi % kv_heads;
-  double s = 0.0;
-  for (std::int64_t c = 0; c < values.extent[3]; ++c) {
-    const double x = kvevict::to_float(values(b, h, n, c));
-    s += x * x;
-  }
-  const float u = static_cast<float>(pow(sqrt(s), static_cast<double>(power)));
-  for (int g = 0; g < G; ++g) rows[(static_cast<std::int64_t>(kvi) * G + g) * S + n] = u;
-}
-
-// 3. The CUDA implementation trait: score() enqueues the kernel on the job's stream (no
-//    allocation, no synchronisation). scorer_impl_base: no scratch, no plan-time checks.
-namespace kvevict {
-namespace cuda {
-template <>
-struct scorer_impl<value_norm_scorer> : scorer_impl_base {
-  template <class Policy, class T>
-  static status score(const score_job<Policy, T>& job, const scratch&) {
-    const layer_shape& sh = job.sh;
-    if (sh.S == 0) return {};
-    const dim3 grid(static_cast<unsigned>((sh.S + 255) / 256), static_cast<unsigned>(sh.nkv));
-    value_norm_kernel<T><<<grid, 256, 0, job.stream>>>(job.in->values, job.pb.len_kv, job.pb.needkv, sh.Hkv, sh.Gq, sh.S,
-                                                        job.p->scorer.power, job.rows);
-    KVEVICT_CUDA_CHECK_LAUNCH();
-    return {};
-  }
-};
-}  // namespace cuda
-}  // namespace kvevict
-
-// 4. The composition: kvevict's temporal smoother (unused by a query-free scorer), max pooling,
+// 3. The composition: kvevict's temporal smoother (unused by a query-free scorer), max pooling,
 //    AdaKV budgets (budget moves to the heads with the largest scores) and top-k selection.
 using my_policy = kvevict::eviction_policy<value_norm_scorer, kvevict::temporal::last, kvevict::spatial::max_pool,
                                            kvevict::budgeters::adakv, kvevict::selectors::topk>;

@@ -305,5 +305,58 @@ struct frontend {
   }
 };
 
+/// The public calls every evictor shares, written once over its driver's plan() and
+/// run(plan, ...) (CRTP): the policy's types, out_heads, and the thin wrappers can_implement,
+/// max_selected and run(inputs, budget, ...). Derived is evictor<Policy, Backend>; it provides
+///   status plan(const layer_inputs<T>&, const budget_request&, eviction_plan*, const plan_options& = {}) const;
+///   status run(const eviction_plan&, const layer_inputs<T>&, selection_view, void*, std::size_t, float*) const;
+///   const params_type& params() const;
+/// and says `using evictor_base<...>::run;` next to its own run overloads.
+template <class Derived, class Policy>
+class evictor_base {
+ public:
+  using policy = Policy;
+  using params_type = typename Policy::params;
+  using Scorer = typename Policy::scorer;
+  using Temporal = typename Policy::temporal_smoother;
+  using Spatial = typename Policy::spatial_smoother;
+  using Budgeter = typename Policy::budgeter;
+  using Selector = typename Policy::selector;
+
+  /// Selection rows per sequence: kv_heads, or q_heads for gqa_reduction::per_query_head.
+  template <class T>
+  std::int64_t out_heads(const layer_inputs<T>& in) const {
+    return frontend<Policy>::out_heads(in, self().params());
+  }
+
+  /// plan() into a temporary: every check the plan makes (on CUDA the host-side ones; the
+  /// device checks the lengths when no host copy is given). No output is touched.
+  template <class T>
+  status can_implement(const layer_inputs<T>& in, const budget_request& budget) const {
+    eviction_plan pl;
+    return self().plan(in, budget, &pl);
+  }
+
+  /// plan()'s max_selected: the size selection.indices must have (exact where
+  /// eviction_plan::max_selected_exact says so); -1 when plan() fails.
+  template <class T>
+  std::int64_t max_selected(const layer_inputs<T>& in, const budget_request& budget) const {
+    eviction_plan pl;
+    return self().plan(in, budget, &pl).ok() ? pl.max_selected : -1;
+  }
+
+  /// plan() then run(plan, ...): the selection of one layer in one call.
+  template <class T>
+  status run(const layer_inputs<T>& in, const budget_request& budget, selection_view out, void* workspace,
+             std::size_t workspace_bytes, float* maybe_scores = nullptr) const {
+    eviction_plan pl;
+    KVEVICT_TRY(self().plan(in, budget, &pl));
+    return self().run(pl, in, out, workspace, workspace_bytes, maybe_scores);
+  }
+
+ private:
+  const Derived& self() const { return static_cast<const Derived&>(*this); }
+};
+
 }  // namespace detail
 }  // namespace kvevict

@@ -5,6 +5,7 @@
 
 #include "kvevict/backends/cpu/learned.hpp"
 #include "kvevict/cpu.hpp"
+#include "../examples/value_norm/value_norm_cpu.hpp"
 
 namespace kvevict_test {
 
@@ -34,17 +35,6 @@ cpu_result cpu_run(const kvevict::layer_inputs<T>& in, const typename P::params&
 template <class P, class T>
 std::int64_t cpu_max_selected(const kvevict::layer_inputs<T>& in, const typename P::params& p, kvevict::budget_request budget) {
   return kvevict::evictor<P, kvevict::cpu::backend>(p).max_selected(in, budget);
-}
-
-void value_norm_scorer::score_kv_head(const params& p, const kvevict::cpu::head_inputs& in, float* out) {
-  for (std::int64_t n = 0; n < in.length; ++n) {
-    double s = 0.0;
-    for (std::int64_t c = 0; c < in.head_dim; ++c) {
-      const double x = static_cast<double>(in.values[n * in.head_dim + c]);
-      s += x * x;
-    }
-    out[n] = static_cast<float>(std::pow(std::sqrt(s), static_cast<double>(p.power)));
-  }
 }
 
 #define KVEVICT_TEST_INST(P)                                                                                             \

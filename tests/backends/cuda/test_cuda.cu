@@ -34,42 +34,9 @@
 namespace kv = kvevict;
 using kvevict_test::cpu_result;
 
-// The user scorer of user_scorer.hpp on CUDA, as examples/custom_policy_cuda.cu does it: a kernel
-// of its own and a scorer_impl specialisation (the CPU side is its score_kv_head hook).
-template <class T>
-__global__ void test_value_norm_kernel(kv::kv_view<const T> values, const std::int32_t* len, const std::uint8_t* needkv, int Hkv,
-                                       int G, std::int64_t S, float power, float* rows) {
-  const int kvi = blockIdx.y;
-  if (!needkv[kvi]) return;
-  const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (n >= len[kvi]) return;
-  const int b = kvi / Hkv, h = kvi % Hkv;
-  double s = 0.0;
-  for (std::int64_t c = 0; c < values.extent[3]; ++c) {
-    const double x = kv::to_float(values(b, h, n, c));
-    s += x * x;
-  }
-  const float u = static_cast<float>(pow(sqrt(s), static_cast<double>(power)));
-  for (int g = 0; g < G; ++g) rows[(static_cast<std::int64_t>(kvi) * G + g) * S + n] = u;
-}
-
-namespace kvevict {
-namespace cuda {
-template <>
-struct scorer_impl<kvevict_test::value_norm_scorer> : scorer_impl_base {
-  template <class Policy, class T>
-  static status score(const score_job<Policy, T>& job, const scratch&) {
-    const layer_shape& sh = job.sh;
-    if (sh.S == 0) return {};
-    const dim3 grid(static_cast<unsigned>((sh.S + 255) / 256), static_cast<unsigned>(sh.nkv));
-    test_value_norm_kernel<T><<<grid, 256, 0, job.stream>>>(job.in->values, job.pb.len_kv, job.pb.needkv, sh.Hkv, sh.Gq, sh.S,
-                                                             job.p->scorer.power, job.rows);
-    KVEVICT_CUDA_CHECK_LAUNCH();
-    return {};
-  }
-};
-}  // namespace cuda
-}  // namespace kvevict
+// The user scorer of user_scorer.hpp on CUDA: examples/value_norm/value_norm_cuda.cuh (a kernel of
+// its own and a cuda::scorer_impl specialisation), as examples/custom_policy_cuda.cu uses it.
+#include "../examples/value_norm/value_norm_cuda.cuh"
 
 namespace {
 

@@ -56,18 +56,19 @@ inline status scan_finite(const V& v, const char* name, F rows_valid) {
 /// See kvevict/evictor.hpp for the lifecycle, frontend/plan.hpp for plan / run, and
 /// docs/semantics.md for the rules.
 template <class Policy>
-class evictor<Policy, cpu::backend> {
+class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evictor<Policy, cpu::backend>, Policy> {
   using FE = kvevict::detail::frontend<Policy>;
+  using api_base = kvevict::detail::evictor_base<evictor<Policy, cpu::backend>, Policy>;
   static_assert(FE::composition_ok, "kvevict: the stages of this policy do not compose (see the message above)");
 
  public:
-  using policy = Policy;
-  using params_type = typename Policy::params;
-  using Scorer = typename Policy::scorer;
-  using Temporal = typename Policy::temporal_smoother;
-  using Spatial = typename Policy::spatial_smoother;
-  using Budgeter = typename Policy::budgeter;
-  using Selector = typename Policy::selector;
+  using typename api_base::params_type;
+  using typename api_base::Scorer;
+  using typename api_base::Spatial;
+  using typename api_base::Budgeter;
+  using typename api_base::Selector;
+  using api_base::out_heads;
+  using api_base::run;
   /// CriticalKV: the scorer writes a secondary row (||v W_O^h||_1) that the selector reads.
   static constexpr bool has_secondary = FE::has_secondary;
 
@@ -79,12 +80,6 @@ class evictor<Policy, cpu::backend> {
   params_type& params() {
     generation_ = kvevict::detail::next_plan_generation();
     return p_;
-  }
-
-  /// Selection rows per sequence: kv_heads, or q_heads for gqa_reduction::per_query_head.
-  template <class T>
-  std::int64_t out_heads(const layer_inputs<T>& in) const {
-    return FE::out_heads(in, p_);
   }
 
   /// Plan one layer (CUTLASS initialize / FlashInfer plan): validates parameters, shapes, budget
@@ -107,26 +102,11 @@ class evictor<Policy, cpu::backend> {
     return FE::make_plan(in, p_, budget, rq, backend_check, [&](int nt) { return workspace_bytes(in, nt); }, out);
   }
 
-  /// Shape, parameter, budget and length checks (reads the lengths): plan() into a temporary.
-  template <class T>
-  status can_implement(const layer_inputs<T>& in, const budget_request& budget) const {
-    eviction_plan pl;
-    return plan(in, budget, &pl);
-  }
-
   /// Bytes of workspace run() needs for these shapes (independent of the data and the budget)
   /// with the threads plan_options gives (default: the backend's, or OpenMP's at this call).
   template <class T>
   std::size_t workspace_size(const layer_inputs<T>& in, const plan_options& opt = {}) const {
     return workspace_bytes(in, resolve_threads(opt));
-  }
-
-  /// Exact number of kept tokens (the size selection.indices must have): plan()'s
-  /// max_selected; -1 when plan() fails.
-  template <class T>
-  std::int64_t max_selected(const layer_inputs<T>& in, const budget_request& budget) const {
-    eviction_plan pl;
-    return plan(in, budget, &pl).ok() ? pl.max_selected : -1;
   }
 
   /// Select the tokens to keep for one layer with a plan of this evictor for these shapes.
@@ -254,15 +234,6 @@ class evictor<Policy, cpu::backend> {
       }
     }
     return {};
-  }
-
-  /// Select the tokens to keep for one layer: plan() then run(plan, ...).
-  template <class T>
-  status run(const layer_inputs<T>& in, const budget_request& budget, selection_view out, void* workspace,
-             std::size_t workspace_bytes, float* maybe_scores = nullptr) const {
-    eviction_plan pl;
-    KVEVICT_TRY(plan(in, budget, &pl));
-    return run(pl, in, out, workspace, workspace_bytes, maybe_scores);
   }
 
   /// Convenience overload that allocates its own workspace (std::vector).

@@ -47,18 +47,20 @@ namespace kvevict {
 /// Supported: head_dim <= 256, batch * q_heads <= 65535, the stages with a CUDA implementation
 /// trait (the built-ins but CriticalKV; a user's stage specialises its trait, impl.cuh).
 template <class Policy>
-class evictor<Policy, cuda::backend> {
+class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evictor<Policy, cuda::backend>, Policy> {
   using front = kvevict::detail::frontend<Policy>;
+  using api_base = kvevict::detail::evictor_base<evictor<Policy, cuda::backend>, Policy>;
   static_assert(front::composition_ok, "kvevict: the stages of this policy do not compose (see the message above)");
 
  public:
-  using policy = Policy;
-  using params_type = typename Policy::params;
-  using Scorer = typename Policy::scorer;
-  using Temporal = typename Policy::temporal_smoother;
-  using Spatial = typename Policy::spatial_smoother;
-  using Budgeter = typename Policy::budgeter;
-  using Selector = typename Policy::selector;
+  using typename api_base::params_type;
+  using typename api_base::Scorer;
+  using typename api_base::Temporal;
+  using typename api_base::Spatial;
+  using typename api_base::Budgeter;
+  using typename api_base::Selector;
+  using api_base::out_heads;
+  using api_base::run;
 
  private:
   static constexpr bool has_scores = Scorer::has_scores;
@@ -86,12 +88,6 @@ class evictor<Policy, cuda::backend> {
   }
   const cuda::backend& backend() const { return be_; }
   cuda::backend& backend() { return be_; }
-
-  /// Selection rows per sequence: kv_heads, or q_heads for gqa_reduction::per_query_head.
-  template <class T>
-  std::int64_t out_heads(const layer_inputs<T>& in) const {
-    return front::out_heads(in, p_);
-  }
 
   /// Plan one layer (host only; nothing on the device is read): parameters, shapes, budget and
   /// the backend's limits; with opt.host_lengths (a host copy of in.lengths, batch x kv_heads
@@ -134,23 +130,6 @@ class evictor<Policy, cuda::backend> {
     return enqueue(pl, in, out, workspace, maybe_scores);
   }
 
-  /// plan() + run(plan): host-detectable errors (shapes, parameters, null pointers, launch
-  /// failures) are returned at once; data errors land in the device status word.
-  template <class T>
-  status run(const layer_inputs<T>& in, const budget_request& budget, selection_view out, void* workspace,
-             std::size_t workspace_bytes, float* maybe_scores = nullptr) const {
-    eviction_plan pl;
-    KVEVICT_TRY(plan(in, budget, &pl));
-    return run(pl, in, out, workspace, workspace_bytes, maybe_scores);
-  }
-
-  /// The host-side checks of plan() (lengths are checked on the device by run()).
-  template <class T>
-  status can_implement(const layer_inputs<T>& in, const budget_request& budget) const {
-    eviction_plan pl;
-    return plan(in, budget, &pl);
-  }
-
   /// Bytes of device workspace run() needs for these shapes (independent of the data and the
   /// budget), including 256 bytes of alignment slack: any device pointer will do.
   template <class T>
@@ -158,14 +137,6 @@ class evictor<Policy, cuda::backend> {
     kvevict::detail::workspace_carver c;
     carve_all(c, shape_of(in));
     return c.bytes() + kvevict::detail::workspace_carver::alignment;
-  }
-
-  /// plan()'s max_selected without host lengths (the capacity selection.indices must have):
-  /// exact without a lengths view, else an upper bound; -1 when plan() fails.
-  template <class T>
-  std::int64_t max_selected(const layer_inputs<T>& in, const budget_request& budget) const {
-    eviction_plan pl;
-    return plan(in, budget, &pl).ok() ? pl.max_selected : -1;
   }
 
   /// The device status word inside a workspace passed to run() (same pointer and size).
