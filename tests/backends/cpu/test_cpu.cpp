@@ -724,6 +724,11 @@ TEST_CASE("plan / run: a plan of another evictor, a stale plan and inputs of oth
   expect_rejected(copy, pl, st.in, "another evictor");
   kv::eviction_plan kept = pl;
   CHECK(ev.plan(st.in, kv::budget_request::tokens(0), &kept).code() == kv::errc::invalid_argument);
+  {
+    const kv::status neg = ev.plan(st.in, budget, &kept, kv::plan_options{-1});
+    CHECK(neg.code() == kv::errc::invalid_argument);
+    CHECK(std::string(neg.message()).find("plan_options.num_threads = -1") != std::string::npos);
+  }
   CHECK(kept.workspace_bytes == pl.workspace_bytes);
   CHECK(kept.valid);
   {

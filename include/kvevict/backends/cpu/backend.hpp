@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "kvevict/core/numeric.hpp"
 #include "kvevict/core/tensor_view.hpp"
@@ -49,21 +50,6 @@ inline int max_threads(const backend& be) {
 #endif
 }
 
-/// f(i, thread_id) for i in [0, n), dynamically scheduled over the backend's threads.
-template <class F>
-inline void parallel_for(const backend& be, std::int64_t n, F&& f) {
-#if defined(_OPENMP)
-  const int nt = static_cast<int>(std::min<std::int64_t>(max_threads(be), std::max<std::int64_t>(n, 1)));
-  if (nt > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (std::int64_t i = 0; i < n; ++i) f(i, omp_get_thread_num());
-    return;
-  }
-#endif
-  (void)be;
-  for (std::int64_t i = 0; i < n; ++i) f(i, 0);
-}
-
 /// f(i, thread_id) for i in [0, n) over exactly min(threads, n) threads (a plan's thread count:
 /// thread_id < threads, the per-thread scratch the plan's workspace holds).
 template <class F>
@@ -78,6 +64,12 @@ inline void parallel_for_threads(int threads, std::int64_t n, F&& f) {
 #endif
   (void)threads;
   for (std::int64_t i = 0; i < n; ++i) f(i, 0);
+}
+
+/// f(i, thread_id) for i in [0, n), dynamically scheduled over the backend's threads.
+template <class F>
+inline void parallel_for(const backend& be, std::int64_t n, F&& f) {
+  parallel_for_threads(max_threads(be), n, std::forward<F>(f));
 }
 
 /// A rows x cols fp32 row-major matrix read from strided storage of type T. Zero-copy when T

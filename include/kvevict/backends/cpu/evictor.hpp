@@ -88,6 +88,9 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   /// untouched.
   template <class T>
   status plan(const layer_inputs<T>& in, const budget_request& budget, eviction_plan* out, const plan_options& opt = {}) const {
+    if (opt.num_threads < 0)
+      return status::error(errc::invalid_argument, "plan_options.num_threads = %d must be >= 0 (0: the backend's default)",
+                           opt.num_threads);
     typename FE::plan_request rq;
     rq.lengths = in.lengths.data;
     rq.lengths_stride[0] = in.lengths.stride[0];
