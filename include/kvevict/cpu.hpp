@@ -2,12 +2,19 @@
 // the CPU implementation of every built-in stage (backends/cpu/impl.hpp lists the traits).
 #pragma once
 
+//
+// The CPU stage list: every built-in policy's CPU implementation is included here (scorers.hpp
+// and smoothers.hpp list theirs; budgeters and selectors below). A new built-in adds its file to
+// its stage's list; the evictor itself includes none of them.
 #include "kvevict/kvevict.hpp"
 #include "kvevict/backends/cpu/backend.hpp"
+#include "kvevict/backends/cpu/budgeters/adakv.hpp"
 #include "kvevict/backends/cpu/compact.hpp"
 #include "kvevict/backends/cpu/evictor.hpp"
 #include "kvevict/backends/cpu/impl.hpp"
 #include "kvevict/backends/cpu/scorers.hpp"
 #include "kvevict/backends/cpu/select.hpp"
+#include "kvevict/backends/cpu/selectors/topk.hpp"
+#include "kvevict/backends/cpu/selectors/two_stage.hpp"
 #include "kvevict/backends/cpu/smoothers.hpp"
 #include "kvevict/backends/cpu/wo_factor.hpp"

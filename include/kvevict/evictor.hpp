@@ -1,11 +1,13 @@
 // The top-level handle: evictor<Policy, Backend>.
 //
-// Lifecycle (CUTLASS adapter + CUB two-phase workspace):
+// Lifecycle (CUTLASS initialize / FlashInfer plan-run + CUB two-phase workspace):
 //   kvevict::evictor<kvevict::presets::restkv, kvevict::cpu::backend> ev;   // defaults()
-//   status s = ev.can_implement(inputs, budget);            // shapes, params, budget
-//   std::size_t bytes = ev.workspace_size(inputs);          // scratch the run needs
-//   std::int64_t cap = ev.max_selected(inputs, budget);     // size of selection.indices
-//   s = ev.run(inputs, budget, selection, workspace, bytes);
+//   kvevict::eviction_plan plan;
+//   status s = ev.plan(inputs, budget, &plan);              // every check; sizes (frontend/plan.hpp)
+//   // plan.workspace_bytes: scratch the run needs; plan.max_selected: size of selection.indices
+//   s = ev.run(plan, inputs, selection, workspace, plan.workspace_bytes);  // repeats no check
+// Thin wrappers: can_implement(inputs, budget), workspace_size(inputs), max_selected(inputs,
+// budget), run(inputs, budget, selection, workspace, bytes) (plan + run).
 // Each backend specialises evictor for its tag (kvevict/cpu.hpp, kvevict/cuda.cuh).
 #pragma once
 

@@ -1,4 +1,5 @@
-// A user scorer without a CPU hook (score_kv_head) must fail at the call site with a message.
+// A user scorer without a CPU implementation (no cpu::scorer_impl specialisation, no legacy
+// score_kv_head hook) must fail at the call site with a message naming the stage and backend.
 #include <kvevict/cpu.hpp>
 struct my_scorer {
   struct params {};

@@ -15,6 +15,12 @@ class workspace_carver {
  public:
   static constexpr std::size_t alignment = 256;
 
+  /// p rounded up to `alignment` (what run() does with a caller's workspace pointer).
+  static void* align_up(void* p) {
+    const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(p);
+    return reinterpret_cast<void*>((a + alignment - 1) / alignment * alignment);
+  }
+
   /// base == nullptr: counting mode (carve() returns nullptr, bytes() accumulates).
   explicit workspace_carver(void* base = nullptr) : base_(static_cast<unsigned char*>(base)) {}
 

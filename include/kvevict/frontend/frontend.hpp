@@ -23,22 +23,60 @@
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
 #include "kvevict/core/status.hpp"
+#include "kvevict/core/workspace.hpp"
 #include "kvevict/frontend/plan.hpp"
 #include "kvevict/policies/policy.hpp"
 
 namespace kvevict {
 namespace detail {
 
-/// A budgeter that allocates a whole layer at once (budgeters::headwise_learned) declares
+/// A budgeter that allocates a whole layer at once (budgeters::headwise_learned) declares its
+/// host scratch type and
+///   struct layer_scratch;  template <class Carver> static layer_scratch carve_layer_scratch(Carver&, const params&);
 ///   static status layer_budgets(const params&, const budget_request&, const head_plan* plans,
-///                               int64 rows, int64 kv_heads, int layer, int num_layers, int64* budgets);
+///                               int64 rows, int64 kv_heads, int layer, int num_layers, int64* budgets,
+///                               const layer_scratch&);
 template <class Bu, class = void>
 struct has_layer_budgets : std::false_type {};
 template <class Bu>
 struct has_layer_budgets<Bu, std::void_t<decltype(Bu::layer_budgets(
                                  std::declval<const typename Bu::params&>(), std::declval<const budget_request&>(),
                                  std::declval<const head_plan*>(), std::int64_t{}, std::int64_t{}, int{}, int{},
-                                 std::declval<std::int64_t*>()))>> : std::true_type {};
+                                 std::declval<std::int64_t*>(), std::declval<const typename Bu::layer_scratch&>()))>>
+    : std::true_type {};
+
+/// The whole-layer budgeter's scratch type; an empty placeholder for the other budgeters.
+struct no_layer_scratch {};
+template <class Bu, bool = has_layer_budgets<Bu>::value>
+struct layer_scratch_of {
+  using type = no_layer_scratch;
+  template <class Carver>
+  static type carve(Carver&, const typename Bu::params&) {
+    return {};
+  }
+};
+template <class Bu>
+struct layer_scratch_of<Bu, true> {
+  using type = typename Bu::layer_scratch;
+  template <class Carver>
+  static type carve(Carver& c, const typename Bu::params& p) {
+    return Bu::carve_layer_scratch(c, p);
+  }
+};
+
+/// A whole-layer budgeter's scratch in host memory it owns (plan time, tests).
+template <class Bu>
+struct host_layer_scratch {
+  std::vector<unsigned char> bytes;
+  typename layer_scratch_of<Bu>::type s{};
+  explicit host_layer_scratch(const typename Bu::params& p) {
+    workspace_carver count;
+    layer_scratch_of<Bu>::carve(count, p);
+    bytes.resize(count.bytes() + workspace_carver::alignment);
+    workspace_carver c(workspace_carver::align_up(bytes.data()));
+    s = layer_scratch_of<Bu>::carve(c, p);
+  }
+};
 
 /// A selector that ranks a second score row declares `static constexpr bool reads_secondary_scores = true`.
 template <class Sel, class = void>
@@ -58,6 +96,41 @@ enum class budget_kind : int { per_head = 0, score_driven = 1, whole_layer = 2 }
 template <class Bu>
 inline constexpr budget_kind budget_kind_of =
     has_layer_budgets<Bu>::value ? budget_kind::whole_layer : (Bu::needs_scores ? budget_kind::score_driven : budget_kind::per_head);
+
+/// The budget rule of one row before any scoring, host and device (frontend::sequence_budgets
+/// and the CUDA plan kernel run it): per-head budgeters: head_budget; score-driven: the base
+/// budget (the length when the head passes through), moved between heads after scoring;
+/// whole-layer: the length until the layer's allocation (layer_budgets) sets it. need: the row
+/// is scored (has_scores and it keeps fewer than its length; whole-layer: decided after the
+/// allocation).
+template <class Budgeter>
+KVEVICT_HOST_DEVICE inline void initial_row_budget(const typename Budgeter::params& bp, const head_plan& pl, int layer,
+                                                   int num_layers, bool has_scores, std::int64_t* budget, std::uint8_t* need) {
+  constexpr budget_kind kind = budget_kind_of<Budgeter>;
+  if constexpr (kind == budget_kind::whole_layer) {
+    (void)bp;
+    (void)layer;
+    (void)num_layers;
+    (void)has_scores;
+    *budget = pl.length;
+    *need = 0;
+  } else if constexpr (kind == budget_kind::per_head) {
+    const std::int64_t bud = Budgeter::head_budget(bp, pl, layer, num_layers);
+    *budget = bud;
+    *need = (has_scores && bud < pl.length) ? 1 : 0;
+  } else {
+    (void)bp;
+    (void)layer;
+    (void)num_layers;
+    *budget = pl.pass_through ? pl.length : pl.base_budget;
+    *need = (has_scores && !pl.pass_through) ? 1 : 0;
+  }
+}
+
+/// Kept tokens of a row: its budget, never more than its length (host and device).
+KVEVICT_HOST_DEVICE inline std::int64_t kept_tokens(const head_plan& pl, std::int64_t budget) {
+  return budget < pl.length ? budget : pl.length;
+}
 
 /// The front-end of evictor<Policy, *>. Static functions only; the drivers call them.
 template <class Policy>
@@ -79,11 +152,13 @@ struct frontend {
 
   // The composition rules, checked once for every backend.
   static_assert(!reads_secondary || has_secondary,
-                "kvevict: selectors::two_stage (CriticalKV) ranks its second stage by a secondary score row; use it "
-                "with scorers::attention_value_norm (or presets::criticalkv)");
+                "kvevict: this selector ranks a secondary score row (like selectors::two_stage, CriticalKV) that the "
+                "scorer does not write; pair it with a scorer with secondary_scores (scorers::attention_value_norm, "
+                "presets::criticalkv)");
   static_assert(!has_secondary || reads_secondary,
-                "kvevict: scorers::attention_value_norm computes a secondary row (||v W_O^h||_1) that only "
-                "selectors::two_stage reads; use them together (presets::criticalkv)");
+                "kvevict: this scorer writes a secondary row (like scorers::attention_value_norm's ||v W_O^h||_1) that "
+                "only a selector with reads_secondary_scores ranks (selectors::two_stage); use them together "
+                "(presets::criticalkv)");
   static_assert(!Spatial::needs_attention_drift || Scorer::window_attention,
                 "kvevict: the adaptive-window smoother needs a scorer that computes the window attention");
   static_assert(!Budgeter::needs_scores || Scorer::has_scores,
@@ -159,25 +234,19 @@ struct frontend {
   /// budgeters: each head's base budget, or its length when it passes through; the backend
   /// moves budget between heads after scoring, keeping the total) and the "needs scoring" flags
   /// (a head is scored when it keeps fewer than its length; layer_mean: all heads of a sequence
-  /// or none). Host code; len(b, h) as above. Errors: the whole-layer budgeter's.
+  /// or none). Host code; len(b, h) as above; ls: the whole-layer budgeter's scratch
+  /// (layer_scratch_of; unused by the others). Errors: the whole-layer budgeter's.
   template <class T, class LenF>
   static status sequence_budgets(const layer_inputs<T>& in, const params_type& p, const budget_request& budget, std::int64_t b,
-                                 std::int64_t H, LenF len, head_plan* plans, std::int64_t* budgets, std::uint8_t* need) {
+                                 std::int64_t H, LenF len, head_plan* plans, std::int64_t* budgets, std::uint8_t* need,
+                                 const typename layer_scratch_of<Budgeter>::type& ls) {
     const std::int64_t Gout = H / in.kv_heads();
     for (std::int64_t h = 0; h < H; ++h) {
       plans[h] = row_plan(in, p, budget, len(b, h / Gout));
-      if constexpr (kind == budget_kind::whole_layer) {
-        need[h] = 0;  // set below, once the sequence's plans are known
-      } else if constexpr (kind == budget_kind::per_head) {
-        budgets[h] = Budgeter::head_budget(p.budgeter, plans[h], in.layer_idx, in.num_layers);
-        need[h] = Scorer::has_scores && budgets[h] < plans[h].length ? 1 : 0;
-      } else {
-        budgets[h] = plans[h].pass_through ? plans[h].length : plans[h].base_budget;
-        need[h] = Scorer::has_scores && !plans[h].pass_through ? 1 : 0;
-      }
+      initial_row_budget<Budgeter>(p.budgeter, plans[h], in.layer_idx, in.num_layers, Scorer::has_scores, budgets + h, need + h);
     }
     if constexpr (kind == budget_kind::whole_layer) {
-      KVEVICT_TRY(Budgeter::layer_budgets(p.budgeter, budget, plans, H, in.kv_heads(), in.layer_idx, in.num_layers, budgets));
+      KVEVICT_TRY(Budgeter::layer_budgets(p.budgeter, budget, plans, H, in.kv_heads(), in.layer_idx, in.num_layers, budgets, ls));
       for (std::int64_t h = 0; h < H; ++h) need[h] = Scorer::has_scores && budgets[h] < plans[h].length ? 1 : 0;
     }
     if (p.gqa == gqa_reduction::layer_mean) {
@@ -189,10 +258,11 @@ struct frontend {
   }
 
   /// Kept tokens of one row: its budget, never more than its length.
-  static std::int64_t kept(const head_plan& pl, std::int64_t budget) { return std::min<std::int64_t>(budget, pl.length); }
+  KVEVICT_HOST_DEVICE static std::int64_t kept(const head_plan& pl, std::int64_t budget) { return kept_tokens(pl, budget); }
 
   /// The exact number of kept tokens of the layer (the same sum run() writes to indptr), from
-  /// host lengths len(b, h). Allocates O(out_heads) host scratch (plan time only).
+  /// host lengths len(b, h). Allocates O(out_heads) host scratch, and the whole-layer
+  /// budgeter's (plan time only).
   template <class T, class LenF>
   static status kept_total(const layer_inputs<T>& in, const params_type& p, const budget_request& budget, LenF len,
                            std::int64_t* total) {
@@ -200,9 +270,10 @@ struct frontend {
     std::vector<head_plan> pl(static_cast<std::size_t>(H));
     std::vector<std::int64_t> bu(static_cast<std::size_t>(H));
     std::vector<std::uint8_t> nd(static_cast<std::size_t>(H));
+    const host_layer_scratch<Budgeter> ls(p.budgeter);
     std::int64_t t = 0;
     for (std::int64_t b = 0; b < in.batch(); ++b) {
-      KVEVICT_TRY(sequence_budgets(in, p, budget, b, H, len, pl.data(), bu.data(), nd.data()));
+      KVEVICT_TRY(sequence_budgets(in, p, budget, b, H, len, pl.data(), bu.data(), nd.data(), ls.s));
       for (std::int64_t h = 0; h < H; ++h) t += kept(pl[static_cast<std::size_t>(h)], bu[static_cast<std::size_t>(h)]);
     }
     *total = t;
@@ -278,8 +349,11 @@ struct frontend {
   }
 
   /// run(plan, ...): the plan belongs to this evictor, is current and was made for these shapes.
+  /// Also the plan's rows against the current parameters (a params_type& taken before plan()
+  /// and written after it changes them without a new generation).
   template <class T>
-  static status check_plan(const eviction_plan& pl, const layer_inputs<T>& in, const void* owner, std::uint64_t generation) {
+  static status check_plan(const eviction_plan& pl, const layer_inputs<T>& in, const params_type& p, const void* owner,
+                           std::uint64_t generation) {
     if (!pl.valid) return status::error(errc::invalid_argument, "plan is not valid (plan() did not succeed)");
     if (pl.owner != owner)
       return status::error(errc::invalid_argument, "plan was made by another evictor object (plan with this one)");
@@ -289,6 +363,24 @@ struct frontend {
       return status::error(errc::invalid_argument,
                            "layer_inputs do not match the plan (shapes, strides, set views, layer_idx or storage type differ; "
                            "plan again)");
+    if (pl.out_heads != out_heads(in, p) || pl.rows != in.batch() * pl.out_heads)
+      return status::error(errc::invalid_argument, "plan is stale: its rows (out_heads = %lld) differ from the parameters' (%lld)",
+                           static_cast<long long>(pl.out_heads), static_cast<long long>(out_heads(in, p)));
+    return {};
+  }
+
+  /// run(plan, ...)'s argument checks, the same on every backend: the plan (check_plan), the
+  /// selection's buffers and the workspace: at least `need` bytes (the larger of the plan's
+  /// size and the size the current parameters give), non-null when need > 0.
+  template <class T>
+  static status check_run_args(const eviction_plan& pl, const layer_inputs<T>& in, const params_type& p, const void* owner,
+                               std::uint64_t generation, const selection_view& out, const void* workspace,
+                               std::size_t workspace_bytes, std::size_t need) {
+    KVEVICT_TRY(check_plan(pl, in, p, owner, generation));
+    if (!out.indptr || !out.indices) return status::error(errc::null_pointer, "selection.indptr or selection.indices is null");
+    if (workspace_bytes < need || (!workspace && need > 0))
+      return status::error(errc::insufficient_workspace, "workspace_bytes = %zu < plan.workspace_bytes = %zu (or workspace is null)",
+                           workspace_bytes, need);
     return {};
   }
 
@@ -323,10 +415,19 @@ class evictor_base {
   using Budgeter = typename Policy::budgeter;
   using Selector = typename Policy::selector;
 
+  explicit evictor_base(params_type p) : p_(p), generation_(next_plan_generation()) {}
+
+  const params_type& params() const { return p_; }
+  /// Mutable parameters: every call makes the plans made so far stale (run(plan) rejects them).
+  params_type& params() {
+    generation_ = next_plan_generation();
+    return p_;
+  }
+
   /// Selection rows per sequence: kv_heads, or q_heads for gqa_reduction::per_query_head.
   template <class T>
   std::int64_t out_heads(const layer_inputs<T>& in) const {
-    return frontend<Policy>::out_heads(in, self().params());
+    return frontend<Policy>::out_heads(in, p_);
   }
 
   /// plan() into a temporary: every check the plan makes (on CUDA the host-side ones; the
@@ -353,6 +454,30 @@ class evictor_base {
     KVEVICT_TRY(self().plan(in, budget, &pl));
     return self().run(pl, in, out, workspace, workspace_bytes, maybe_scores);
   }
+
+ protected:
+  /// A plan_request owned by this evictor at its current generation (the driver adds lengths,
+  /// host_budgets and threads).
+  typename frontend<Policy>::plan_request owned_request() const {
+    typename frontend<Policy>::plan_request rq;
+    rq.owner = static_cast<const void*>(&self());
+    rq.generation = generation_;
+    return rq;
+  }
+  /// run(plan, ...)'s argument checks (frontend::check_run_args) for this evictor.
+  template <class T>
+  status check_run_args(const eviction_plan& pl, const layer_inputs<T>& in, const selection_view& out, const void* workspace,
+                        std::size_t workspace_bytes, std::size_t need) const {
+    return frontend<Policy>::check_run_args(pl, in, p_, static_cast<const void*>(&self()), generation_, out, workspace,
+                                            workspace_bytes, need);
+  }
+
+  params_type p_;
+  /// Process-wide unique per construction and per call of the mutable params() (and copied by
+  /// an assignment): a plan carries it, so a plan made before params() changed, or before this
+  /// object was assigned another evictor's state, is stale. Plain data: the evictor stays
+  /// trivially copyable.
+  std::uint64_t generation_;
 
  private:
   const Derived& self() const { return static_cast<const Derived&>(*this); }

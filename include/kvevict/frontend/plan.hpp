@@ -47,6 +47,12 @@ struct layer_signature {
 
   template <class T>
   static layer_signature of(const layer_inputs<T>& in) {
+    static_assert(std::decay_t<decltype(in.queries)>::rank + std::decay_t<decltype(in.keys)>::rank +
+                          std::decay_t<decltype(in.values)>::rank + std::decay_t<decltype(in.lengths)>::rank +
+                          std::decay_t<decltype(in.positions)>::rank + std::decay_t<decltype(in.wo_factor)>::rank +
+                          std::decay_t<decltype(in.wo)>::rank ==
+                      (slots - 4) / 2,
+                  "kvevict: layer_signature::slots must count every view of layer_inputs");
     layer_signature s;
     int i = 0;
     auto put = [&](const auto& view) {

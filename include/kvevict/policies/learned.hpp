@@ -25,8 +25,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
-#include <vector>
 
 #include "kvevict/core/apportion.hpp"
 #include "kvevict/core/budget_rules.hpp"
@@ -135,29 +135,6 @@ KVEVICT_HOST_DEVICE inline bool lkv_water_fill_shares(const double* r, std::int6
   return true;
 }
 
-/// LKV-H water-filling from the logits (host): lkv_ratios, then lkv_water_fill_ratios.
-///
-/// logits     fp32 (n): the learned z_n, in (layer, KV head) row-major order
-/// temperature > 0: r = softmax(z / temperature), computed in fp64 (max-subtracted, std::exp)
-/// total, cap, floor_each, out: as lkv_water_fill_ratios.
-/// Allocates four O(n) vectors. Returns false (out untouched) when the arguments violate the
-/// ranges above or a logit is not finite.
-inline bool lkv_water_fill(const float* logits, std::int64_t n, double temperature, std::int64_t total, std::int64_t cap,
-                           std::int64_t floor_each, std::int64_t* out) {
-  if (n < 1 || !(temperature > 0.0) || cap < 0 || floor_each < 0 || floor_each > cap || total < n * floor_each ||
-      total > n * cap)
-    return false;
-  std::vector<double> r(static_cast<std::size_t>(n)), share(static_cast<std::size_t>(n));
-  std::vector<std::int64_t> capv(static_cast<std::size_t>(n));
-  std::vector<unsigned char> clipped(static_cast<std::size_t>(n));
-  if (!lkv_ratios(logits, n, temperature, r.data())) return false;
-  lkv_fill_scratch s;
-  s.share = share.data();
-  s.capv = capv.data();
-  s.clipped = clipped.data();
-  return lkv_water_fill_ratios(r.data(), n, total, cap, floor_each, out, s);
-}
-
 }  // namespace detail
 
 namespace budgeters {
@@ -188,7 +165,7 @@ namespace budgeters {
 /// num_layers * kv_heads; with keep_tokens B instead, B_total = N * min(B, t). Each head first
 /// gets its protected tokens (sinks + recent window of the selector; 0 with num_recent = 0 as
 /// LKV uses) or min_budget, whichever is larger, then the rest is water-filled by r
-/// (detail::lkv_water_fill). The evictor of layer l applies budgets[l * kv_heads + h] to KV head
+/// (detail::lkv_water_fill_ratios). The evictor of layer l applies budgets[l * kv_heads + h] to KV head
 /// h (and to every query-head row of its group in gqa_reduction::per_query_head mode).
 /// Heads the plan marks pass-through (length <= base budget) keep everything.
 /// When the protected tokens of all heads exceed B_total, every head keeps exactly its
@@ -273,32 +250,6 @@ struct headwise_learned {
     std::int64_t total = total_budget(req, n, t);
     if (total < n * fl) total = n * fl;  // protected tokens are kept by rule
     return detail::lkv_water_fill_ratios(ratios, n, total, t, fl, out, s);
-  }
-
-  /// The whole model's allocation: out (num_layers * kv_heads) budgets for t tokens per head,
-  /// each head holding at least floor_each (protected tokens / min_budget). Host tables only.
-  static status global_budgets(const params& p, const budget_request& req, std::int64_t t, std::int64_t floor_each,
-                               std::int64_t* out) {
-    KVEVICT_TRY(check_host(p));
-    const std::int64_t n = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;
-    if (t < 0) return status::error(errc::invalid_argument, "t = %lld must be >= 0", static_cast<long long>(t));
-    std::vector<double> r(static_cast<std::size_t>(n)), share(static_cast<std::size_t>(n));
-    std::vector<std::int64_t> capv(static_cast<std::size_t>(n));
-    std::vector<unsigned char> clipped(static_cast<std::size_t>(n));
-    detail::lkv_fill_scratch s;
-    s.share = share.data();
-    s.capv = capv.data();
-    s.clipped = clipped.data();
-    if (!detail::lkv_ratios(p.logits, n, static_cast<double>(p.temperature), r.data()) ||
-        !global_from_ratios(p, r.data(), req, t, floor_each, out, s)) {
-      std::int64_t fl = floor_each > p.min_budget ? floor_each : p.min_budget;
-      if (fl > t) fl = t;
-      std::int64_t total = total_budget(req, n, t);
-      if (total < n * fl) total = n * fl;
-      return status::error(errc::invalid_argument, "headwise_learned: cannot apportion total = %lld over %lld heads of t = %lld",
-                           static_cast<long long>(total), static_cast<long long>(n), static_cast<long long>(t));
-    }
-    return {};
   }
 
   /// Result codes of layer_slice().
@@ -402,10 +353,35 @@ struct headwise_learned {
     return slice_ok;
   }
 
-  /// Evictor hook (CPU): budgets of the `rows` out rows of one sequence of layer `layer`.
-  /// plans: (rows) head plans (row h covers KV head h / (rows / kv_heads)).
+  /// Host scratch of layer_budgets: n = num_layers * kv_heads entries in each array (caller
+  /// memory; carve_layer_scratch lays it out in a workspace).
+  struct layer_scratch {
+    double* ratios = nullptr;          ///< fp64 (n): r = softmax(z / temperature)
+    double* share = nullptr;           ///< fp64 (n)
+    std::int64_t* capv = nullptr;      ///< int64 (n)
+    std::int64_t* all = nullptr;       ///< int64 (n): the model's allocation
+    unsigned char* clipped = nullptr;  ///< uint8 (n)
+  };
+  /// Carve a layer_scratch for p's table (core/workspace.hpp's carver: counting or carving).
+  template <class Carver>
+  static layer_scratch carve_layer_scratch(Carver& c, const params& p) {
+    const std::int64_t n0 = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;
+    const std::size_t n = static_cast<std::size_t>(n0 > 0 ? n0 : 1);
+    layer_scratch s;
+    s.ratios = c.template carve<double>(n);
+    s.share = c.template carve<double>(n);
+    s.capv = c.template carve<std::int64_t>(n);
+    s.all = c.template carve<std::int64_t>(n);
+    s.clipped = c.template carve<unsigned char>(n);
+    return s;
+  }
+
+  /// Whole-layer hook (the front-end, frontend/frontend.hpp): budgets of the `rows` out rows of
+  /// one sequence of layer `layer`. plans: (rows) head plans (row h covers KV head
+  /// h / (rows / kv_heads)). Host tables; no allocation (scratch: carve_layer_scratch).
   static status layer_budgets(const params& p, const budget_request& req, const detail::head_plan* plans,
-                              std::int64_t rows, std::int64_t kv_heads, int layer, int num_layers, std::int64_t* budgets) {
+                              std::int64_t rows, std::int64_t kv_heads, int layer, int num_layers, std::int64_t* budgets,
+                              const layer_scratch& ls) {
     KVEVICT_TRY(check_host(p));
     if (num_layers != p.num_layers || kv_heads != p.kv_heads)
       return status::error(errc::shape_mismatch,
@@ -414,18 +390,17 @@ struct headwise_learned {
     if (rows < 1 || rows % kv_heads != 0)
       return status::error(errc::invalid_argument, "rows = %lld is not a positive multiple of kv_heads = %lld",
                            static_cast<long long>(rows), static_cast<long long>(kv_heads));
+    if (!ls.ratios || !ls.share || !ls.capv || !ls.all || !ls.clipped)
+      return status::error(errc::null_pointer, "headwise_learned::layer_scratch has a null pointer");
     const std::int64_t n = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;
-    std::vector<double> r(static_cast<std::size_t>(n)), share(static_cast<std::size_t>(n));
-    std::vector<std::int64_t> capv(static_cast<std::size_t>(n)), all(static_cast<std::size_t>(n));
-    std::vector<unsigned char> clipped(static_cast<std::size_t>(n));
-    if (!detail::lkv_ratios(p.logits, n, static_cast<double>(p.temperature), r.data()))
+    if (!detail::lkv_ratios(p.logits, n, static_cast<double>(p.temperature), ls.ratios))
       return status::error(errc::invalid_argument, "headwise_learned: logits / temperature give no finite softmax");
     detail::lkv_fill_scratch s;
-    s.share = share.data();
-    s.capv = capv.data();
-    s.clipped = clipped.data();
+    s.share = ls.share;
+    s.capv = ls.capv;
+    s.clipped = ls.clipped;
     std::int64_t bad[3] = {0, 0, 0};
-    const int rc = layer_slice(p, r.data(), req, plans, rows, layer, budgets, all.data(), s, bad);
+    const int rc = layer_slice(p, ls.ratios, req, plans, rows, layer, budgets, ls.all, s, bad);
     if (rc == slice_unequal_lengths)
       return status::error(errc::invalid_argument,
                            "headwise_learned: head lengths differ (%lld vs %lld) in layer %d; set budgeter.num_tokens",
@@ -494,7 +469,7 @@ struct learned_mlp {
     return {};
   }
 
-  /// Shape check against one layer's inputs (called by the CPU evictor's can_implement; the
+  /// Shape check against one layer's inputs (called at plan time by the CPU evictor (frontend make_plan's backend check); the
   /// CPU reads the weights on the host, so device weights are refused here).
   static status check_layer(const params& p, std::int64_t kv_heads, std::int64_t head_dim, int layer_idx, int num_layers) {
     if (p.on_device)

@@ -1231,7 +1231,8 @@ TEST_CASE("host: lkv_sequence_budgets (the CUDA plan kernel's LKV-H code) equals
       plans[static_cast<std::size_t>(h)] = kv::detail::plan_head(req, sp, Lh, 32);
     }
     std::vector<std::int64_t> want(static_cast<std::size_t>(rows), -1);
-    const kv::status cst = Bu::layer_budgets(p, req, plans.data(), rows, kvh, layer, layers, want.data());
+    const kv::detail::host_layer_scratch<Bu> hls(p);
+    const kv::status cst = Bu::layer_budgets(p, req, plans.data(), rows, kvh, layer, layers, want.data(), hls.s);
     auto pd = p;
     pd.on_device = true;
     pd.ratios = r.data();

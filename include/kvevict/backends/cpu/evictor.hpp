@@ -3,7 +3,8 @@
 // (frontend/frontend.hpp) validates, plans and applies the budget rules; the driver runs each
 // stage through its CPU implementation trait (backends/cpu/impl.hpp) over OpenMP threads:
 // scoring per (sequence, KV head), GQA reduction, smoothing per row, score-driven budgets per
-// sequence, selection per row. It names no policy type.
+// sequence, selection per row. It names no policy type and includes no policy's implementation:
+// the stage lists (kvevict/cpu.hpp) do, and the traits are looked up where the evictor is used.
 #pragma once
 
 #include <algorithm>
@@ -12,14 +13,10 @@
 #include <vector>
 
 #include "kvevict/backends/cpu/backend.hpp"
-#include "kvevict/backends/cpu/budgeters/adakv.hpp"
 #include "kvevict/backends/cpu/gqa_reduce.hpp"
 #include "kvevict/backends/cpu/impl.hpp"
-#include "kvevict/backends/cpu/scorers.hpp"
-#include "kvevict/backends/cpu/select.hpp"
-#include "kvevict/backends/cpu/selectors/topk.hpp"
-#include "kvevict/backends/cpu/selectors/two_stage.hpp"
-#include "kvevict/backends/cpu/smoothers.hpp"
+#include "kvevict/backends/cpu/scorers/common.hpp"
+#include "kvevict/backends/cpu/scorers/head_scorer.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/workspace.hpp"
 #include "kvevict/evictor.hpp"
@@ -68,19 +65,12 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   using typename api_base::Budgeter;
   using typename api_base::Selector;
   using api_base::out_heads;
+  using api_base::params;
   using api_base::run;
   /// CriticalKV: the scorer writes a secondary row (||v W_O^h||_1) that the selector reads.
   static constexpr bool has_secondary = FE::has_secondary;
 
-  explicit evictor(params_type p = Policy::defaults(), cpu::backend be = {})
-      : p_(p), be_(be), generation_(kvevict::detail::next_plan_generation()) {}
-
-  const params_type& params() const { return p_; }
-  /// Mutable parameters: invalidates the plans this evictor made (run() rejects them).
-  params_type& params() {
-    generation_ = kvevict::detail::next_plan_generation();
-    return p_;
-  }
+  explicit evictor(params_type p = Policy::defaults(), cpu::backend be = {}) : api_base(p), be_(be) {}
 
   /// Plan one layer (CUTLASS initialize / FlashInfer plan): validates parameters, shapes, budget
   /// and lengths, the scorer's tables (check_layer) and the whole-layer budgets; fixes the thread
@@ -88,18 +78,22 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   /// untouched.
   template <class T>
   status plan(const layer_inputs<T>& in, const budget_request& budget, eviction_plan* out, const plan_options& opt = {}) const {
-    if (opt.num_threads < 0)
-      return status::error(errc::invalid_argument, "plan_options.num_threads = %d must be >= 0 (0: the backend's default)",
-                           opt.num_threads);
-    typename FE::plan_request rq;
+    typename FE::plan_request rq = this->owned_request();
     rq.lengths = in.lengths.data;
     rq.lengths_stride[0] = in.lengths.stride[0];
     rq.lengths_stride[1] = in.lengths.stride[1];
     rq.num_threads = resolve_threads(opt);
-    rq.owner = this;
-    rq.generation = generation_;
     auto backend_check = [&]() -> status {
-      if constexpr (Scorer::has_scores) return cpu::scorer_impl<Scorer>::check_layer(p_.scorer, in);
+      if (opt.num_threads < 0)
+        return status::error(errc::invalid_argument, "plan_options.num_threads = %d must be >= 0 (0: the backend's default)",
+                             opt.num_threads);
+      if constexpr (Scorer::has_scores) {
+        // The policy's own table check (check_layer(params, kv_heads, head_dim, layer, num_layers),
+        // e.g. LKV-T's host tables), then the CPU implementation's.
+        if constexpr (cpu::detail::has_check_layer<Scorer>::value)
+          KVEVICT_TRY(Scorer::check_layer(p_.scorer, in.kv_heads(), in.head_dim(), in.layer_idx, in.num_layers));
+        return cpu::scorer_impl<Scorer>::check_layer(p_.scorer, in);
+      }
       return {};
     };
     return FE::make_plan(in, p_, budget, rq, backend_check, [&](int nt) { return workspace_bytes(in, nt); }, out);
@@ -125,30 +119,29 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   template <class T>
   status run(const eviction_plan& pl, const layer_inputs<T>& in, selection_view out, void* workspace, std::size_t workspace_bytes,
              float* maybe_scores = nullptr) const {
-    KVEVICT_TRY(FE::check_plan(pl, in, this, generation_));
-    if (!out.indptr || !out.indices) return status::error(errc::null_pointer, "selection.indptr or selection.indices is null");
-    const std::size_t need = pl.workspace_bytes;
-    if (workspace_bytes < need || (!workspace && need > 0))
-      return status::error(errc::insufficient_workspace, "workspace_bytes = %zu < workspace_size() = %zu", workspace_bytes, need);
+    // The plan's thread count, within the per-thread scratch the workspace can hold; the
+    // workspace those threads and the current parameters need (O(threads) to count), never less
+    // than the plan's: a plan cannot make run() write past the caller's memory.
+    const int nt = std::max(1, std::min(pl.num_threads, cpu::detail::max_scratch_threads));
+    KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, this->workspace_bytes(in, nt))));
     auto len = [&](std::int64_t b, std::int64_t h) { return in.length(b, h); };
     if (in.lengths.data) KVEVICT_TRY(FE::check_length_range(in.batch(), in.kv_heads(), in.capacity(), len));
     KVEVICT_TRY(FE::check_layer_mean_lengths(p_, in.batch(), in.kv_heads(), len));
     if (p_.check_finite) KVEVICT_TRY(check_finite(in));
     const budget_request& budget = pl.budget;
-    const int nt = pl.num_threads;
 
     const std::int64_t B = in.batch(), Hkv = in.kv_heads(), H = out_heads(in), S = in.capacity();
     const std::int64_t Gq = in.queries.data ? in.group_size() : 1;  // query heads per KV head
     const std::int64_t Gout = H / Hkv;                               // out rows per KV head
     const std::int64_t rows = B * H;
-    const std::uintptr_t wsa = reinterpret_cast<std::uintptr_t>(workspace), wal = kvevict::detail::workspace_carver::alignment;
-    kvevict::detail::workspace_carver c(reinterpret_cast<void*>((wsa + wal - 1) / wal * wal));
+    kvevict::detail::workspace_carver c(kvevict::detail::workspace_carver::align_up(workspace));
     buffers buf = carve_all(c, in, nt);
 
     // 1. plans, the budgets that need no scores, the "needs scoring" flags (front-end rules)
     bool any_scoring = false;
     for (std::int64_t b = 0; b < B; ++b) {
-      KVEVICT_TRY(FE::sequence_budgets(in, p_, budget, b, H, len, buf.plans + b * H, buf.budgets + b * H, buf.need + b * H));
+      KVEVICT_TRY(FE::sequence_budgets(in, p_, budget, b, H, len, buf.plans + b * H, buf.budgets + b * H, buf.need + b * H,
+                                       buf.layer));
       for (std::int64_t h = 0; h < H; ++h) any_scoring = any_scoring || buf.need[b * H + h];
     }
 
@@ -169,6 +162,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
           float* grows = buf.grows + static_cast<std::int64_t>(tid) * Gq * S;
           double* gdrift = buf.gdrift + static_cast<std::int64_t>(tid) * Gq;
           float* grows2 = has_secondary ? buf.grows2 + static_cast<std::int64_t>(tid) * Gq * S : nullptr;
+          std::fill(gdrift, gdrift + Gq, 0.0);  // a scorer that computes no drift leaves 0 (adaptive-window reads it)
           cpu::scorer_impl<Scorer>::template score<Policy, T>(job, buf.scratch[tid], grows, gdrift, grows2);
           const std::int64_t r0 = b * H + h * Gout;  // the KV head's first out row
           if constexpr (has_secondary) cpu::detail::reduce_group_secondary(p_.gqa, grows2, Gq, Gout, L, S, buf.scores2 + r0 * S);
@@ -245,11 +239,9 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     eviction_plan pl;
     KVEVICT_TRY(plan(in, budget, &pl));
     std::vector<unsigned char> ws(pl.workspace_bytes + kvevict::detail::workspace_carver::alignment);
-    void* base = ws.data();
-    const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(base);
-    const std::uintptr_t al = (a + kvevict::detail::workspace_carver::alignment - 1) / kvevict::detail::workspace_carver::alignment *
-                              kvevict::detail::workspace_carver::alignment;
-    return run(pl, in, out, reinterpret_cast<void*>(al), ws.size() - (al - a), maybe_scores);
+    void* aligned = kvevict::detail::workspace_carver::align_up(ws.data());
+    return run(pl, in, out, aligned, ws.size() - static_cast<std::size_t>(static_cast<unsigned char*>(aligned) - ws.data()),
+               maybe_scores);
   }
 
  private:
@@ -268,6 +260,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     std::int32_t* idx;
     float* scores2;  ///< secondary rows (B * out_heads, S), scorers with secondary_scores only
     float* grows2;   ///< per-thread secondary rows of one GQA group (G, S)
+    typename kvevict::detail::layer_scratch_of<Budgeter>::type layer;  ///< whole-layer budgeter's scratch
     cpu::detail::head_scratch scratch[cpu::detail::max_scratch_threads];
   };
 
@@ -303,6 +296,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     buf.need = c.template carve<std::uint8_t>(static_cast<std::size_t>(rows));
     buf.drift = c.template carve<double>(static_cast<std::size_t>(rows));
     buf.idx = c.template carve<std::int32_t>(static_cast<std::size_t>(nt * S));
+    buf.layer = kvevict::detail::layer_scratch_of<Budgeter>::carve(c, p_.budgeter);
     if constexpr (Scorer::has_scores) {
       buf.scores = c.template carve<float>(static_cast<std::size_t>(rows * S));
       buf.grows = c.template carve<float>(static_cast<std::size_t>(nt * Gq * S));
@@ -372,12 +366,8 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     return {};
   }
 
-  params_type p_;
+  using api_base::p_;
   cpu::backend be_;
-  /// Process-wide unique per construction and per call of the mutable params(): a plan carries
-  /// it, so a plan made before params() changed (or before this object was assigned another
-  /// evictor's state) is stale. Plain data: the evictor stays trivially copyable.
-  std::uint64_t generation_;
 };
 
 }  // namespace kvevict

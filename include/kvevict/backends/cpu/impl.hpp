@@ -50,8 +50,8 @@ struct head_job {
 ///                     double* drift /* G */, float* rows2 /* G x L, secondary_scores only */);
 /// writing G = group_size rows of L finite fp32 scores (query-free scorers: the same row G times),
 /// the adaptive-window drift of each query head when job.drift_topk > 0 (else 0), and, for
-/// scorers with secondary_scores, the secondary rows. It may derive from scorer_impl_base for
-/// the defaults of the optional members:
+/// scorers with secondary_scores, the secondary rows. It also provides the members below; deriving
+/// from scorer_impl_base (or head_scorer / window_scorer, which do) gives their defaults:
 ///   static bool full_projection(const params&)   the scratch holds the value projections of
 ///                                                every token (head_scratch::carve full_y)
 ///   static constexpr bool hidden_projection      the scratch holds a W_O slice (carve_projection)

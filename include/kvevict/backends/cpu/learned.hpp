@@ -25,13 +25,69 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvevict/cpu.hpp"
 #include "kvevict/io/lkv_artifact.hpp"
 #include "kvevict/policies/learned.hpp"
 
 namespace kvevict {
+
+namespace detail {
+/// LKV-H water-filling from the logits (host): lkv_ratios, then lkv_water_fill_ratios
+/// (policies/learned.hpp).
+///
+/// logits     fp32 (n): the learned z_n, in (layer, KV head) row-major order
+/// temperature > 0: r = softmax(z / temperature), computed in fp64 (max-subtracted, std::exp)
+/// total, cap, floor_each, out: as lkv_water_fill_ratios.
+/// Allocates four O(n) vectors. Returns false (out untouched) when the arguments violate the
+/// ranges above or a logit is not finite.
+inline bool lkv_water_fill(const float* logits, std::int64_t n, double temperature, std::int64_t total, std::int64_t cap,
+                           std::int64_t floor_each, std::int64_t* out) {
+  if (n < 1 || !(temperature > 0.0) || cap < 0 || floor_each < 0 || floor_each > cap || total < n * floor_each ||
+      total > n * cap)
+    return false;
+  std::vector<double> r(static_cast<std::size_t>(n)), share(static_cast<std::size_t>(n));
+  std::vector<std::int64_t> capv(static_cast<std::size_t>(n));
+  std::vector<unsigned char> clipped(static_cast<std::size_t>(n));
+  if (!lkv_ratios(logits, n, temperature, r.data())) return false;
+  lkv_fill_scratch s;
+  s.share = share.data();
+  s.capv = capv.data();
+  s.clipped = clipped.data();
+  return lkv_water_fill_ratios(r.data(), n, total, cap, floor_each, out, s);
+}
+}  // namespace detail
+
 namespace lkv {
+
+/// LKV-H: the whole model's allocation: out (num_layers * kv_heads) budgets for t tokens per
+/// head, each head holding at least floor_each (protected tokens / min_budget). Host tables only.
+/// Allocates four O(n) vectors (decode_budgets with a decode_budget_scratch does not).
+inline status global_budgets(const budgeters::headwise_learned::params& p, const budget_request& req, std::int64_t t,
+                             std::int64_t floor_each, std::int64_t* out) {
+  using budgeters::headwise_learned;
+  KVEVICT_TRY(headwise_learned::check_host(p));
+  const std::int64_t n = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;
+  if (t < 0) return status::error(errc::invalid_argument, "t = %lld must be >= 0", static_cast<long long>(t));
+  std::vector<double> r(static_cast<std::size_t>(n)), share(static_cast<std::size_t>(n));
+  std::vector<std::int64_t> capv(static_cast<std::size_t>(n));
+  std::vector<unsigned char> clipped(static_cast<std::size_t>(n));
+  detail::lkv_fill_scratch s;
+  s.share = share.data();
+  s.capv = capv.data();
+  s.clipped = clipped.data();
+  if (!detail::lkv_ratios(p.logits, n, static_cast<double>(p.temperature), r.data()) ||
+      !headwise_learned::global_from_ratios(p, r.data(), req, t, floor_each, out, s)) {
+    std::int64_t fl = floor_each > p.min_budget ? floor_each : p.min_budget;
+    if (fl > t) fl = t;
+    std::int64_t total = headwise_learned::total_budget(req, n, t);
+    if (total < n * fl) total = n * fl;
+    return status::error(errc::invalid_argument, "headwise_learned: cannot apportion total = %lld over %lld heads of t = %lld",
+                         static_cast<long long>(total), static_cast<long long>(n), static_cast<long long>(t));
+  }
+  return {};
+}
 
 /// Parameters of `full` pointing into the artifact (which must outlive them).
 inline full::params full_params(const io::lkv_artifact& a) {
@@ -96,7 +152,7 @@ inline status score_tokens(const scorers::learned_mlp::params& p, int layer, std
 //   lkv::decode_step(bp, req, t, cache, out, ...)  both, for every (layer, KV head) of the model
 //
 // Rule of a step at t tokens seen (deterministic):
-//   b = headwise_learned::global_budgets(bp, req, t, floor_each = 0): sum b = floor(R * N * t)
+//   b = lkv::global_budgets(bp, req, t, floor_each = 0): sum b = floor(R * N * t)
 //       (keep_tokens B: N * min(B, t)), 0 <= b_n <= t, N = num_layers * kv_heads;
 //   head n holding len_n tokens keeps min(len_n, b_n) of them: the top b_n by utility, equal
 //   utilities ranked by slot (the lower slot = the older token ranks higher), i.e. it drops
@@ -116,7 +172,7 @@ inline status score_tokens(const scorers::learned_mlp::params& p, int layer, std
 // prepare_decode_scratch: the softmax ratios r and the water-filling scratch, all caller
 // memory); the budgets then come from headwise_learned::global_from_ratios, the same code
 // global_budgets runs, so the budgets are identical. Without it, decode_budgets calls
-// headwise_learned::global_budgets, which allocates four O(N) vectors per call.
+// lkv::global_budgets, which allocates four O(N) vectors per call.
 // Cost per step: O(N^2) worst case for the budgets (N heads, apportionment) + O(len_n) per head
 // that drops (nth_element on the scratch).
 
@@ -169,7 +225,7 @@ inline status decode_budgets(const budgeters::headwise_learned::params& bp, cons
   if (!budgets) return status::error(errc::null_pointer, "budgets is null");
   budgeters::headwise_learned::params p = bp;
   p.num_tokens = 0;
-  if (!scratch) return budgeters::headwise_learned::global_budgets(p, req, t, 0, budgets);
+  if (!scratch) return lkv::global_budgets(p, req, t, 0, budgets);
   if (!scratch->ratios || !scratch->share || !scratch->capv || !scratch->clipped)
     return status::error(errc::null_pointer, "decode_budget_scratch: ratios, share, capv or clipped is null");
   double rsum = 0.0;  // O(N): unprepared ratios (zeros, NaN) would give silently wrong budgets

@@ -1,7 +1,8 @@
 // IWYU pragma: private, include "kvevict/cpu.hpp"
 // The CPU implementations of the built-in scorers, one file each under backends/cpu/scorers/
-// (cpu::scorer_impl<Scorer>, backends/cpu/impl.hpp), and score_kv_head, the call the evictor and
-// the tests make. Output of a scorer for one (sequence, KV head): G score rows (one per query
+// (cpu::scorer_impl<Scorer>, backends/cpu/impl.hpp): this is the CPU scorer list (a new
+// built-in adds its file here). score_kv_head below is a convenience for tests and benchmarks;
+// the evictor calls the trait. Output of a scorer for one (sequence, KV head): G score rows (one per query
 // head of the GQA group; query-free scorers write the same row G times) of length L, fp32,
 // finite; plus, on request, the adaptive-window drift statistic of each query head.
 #pragma once

@@ -1,7 +1,8 @@
 // IWYU pragma: private, include "kvevict/cpu.hpp"
 // The CPU implementations of the spatial smoothers (cpu::spatial_impl<Spatial>, one file each
-// under backends/cpu/spatial/), the legacy smooth() hook of a user's smoother, and smooth_row,
-// the call the evictor and the tests make.
+// under backends/cpu/spatial/; this is the CPU smoother list), the legacy smooth() hook of a
+// user's smoother, and smooth_row, a convenience for tests and benchmarks (the evictor calls the
+// trait).
 #pragma once
 
 #include <algorithm>

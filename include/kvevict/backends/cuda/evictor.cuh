@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -77,15 +78,9 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
                 "kvevict: a stage of this policy has no CUDA implementation");
 
  public:
-  explicit evictor(params_type p = Policy::defaults(), cuda::backend be = {})
-      : p_(p), be_(be), generation_(kvevict::detail::next_plan_generation()) {}
+  using api_base::params;
+  explicit evictor(params_type p = Policy::defaults(), cuda::backend be = {}) : api_base(p), be_(be) {}
 
-  const params_type& params() const { return p_; }
-  /// Mutable parameters. Every call makes the plans made so far stale (run(plan) rejects them).
-  params_type& params() {
-    generation_ = kvevict::detail::next_plan_generation();
-    return p_;
-  }
   const cuda::backend& backend() const { return be_; }
   cuda::backend& backend() { return be_; }
 
@@ -96,15 +91,13 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   /// assigned another evictor. On error *out is untouched.
   template <class T>
   status plan(const layer_inputs<T>& in, const budget_request& budget, eviction_plan* out, const plan_options& opt = {}) const {
-    typename front::plan_request rq;
+    typename front::plan_request rq = this->owned_request();
     rq.lengths = in.lengths.data ? opt.host_lengths : nullptr;
     rq.lengths_stride[0] = in.kv_heads();
     rq.lengths_stride[1] = 1;
     rq.lengths_known = in.lengths.data == nullptr || opt.host_lengths != nullptr;
     rq.host_budgets = budgeter_i::host_budgets;
     rq.num_threads = 1;
-    rq.owner = this;
-    rq.generation = generation_;
     return front::make_plan(
         in, p_, budget, rq, [&]() { return backend_check(in); }, [&](int) { return workspace_size(in); }, out);
   }
@@ -122,11 +115,9 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   template <class T>
   status run(const eviction_plan& pl, const layer_inputs<T>& in, selection_view out, void* workspace, std::size_t workspace_bytes,
              float* maybe_scores = nullptr) const {
-    KVEVICT_TRY(front::check_plan(pl, in, this, generation_));
-    if (!out.indptr || !out.indices) return status::error(errc::null_pointer, "selection.indptr or selection.indices is null");
-    if (!workspace || workspace_bytes < pl.workspace_bytes)
-      return status::error(errc::insufficient_workspace, "workspace_bytes = %zu < workspace_size() = %zu (or workspace is null)",
-                           workspace_bytes, pl.workspace_bytes);
+    // The workspace the current parameters need, never less than the plan's (host-side count):
+    // a plan cannot make the kernels write past the caller's memory.
+    KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, workspace_size(in))));
     return enqueue(pl, in, out, workspace, maybe_scores);
   }
 
@@ -178,10 +169,7 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     }
   };
 
-  static void* align_up(void* p) {
-    const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(p), al = kvevict::detail::workspace_carver::alignment;
-    return reinterpret_cast<void*>((a + al - 1) / al * al);
-  }
+  static void* align_up(void* p) { return kvevict::detail::workspace_carver::align_up(p); }
 
   void record(int i) const {
     if (be_.stage_events && i < be_.num_stage_events) (void)cudaEventRecord(be_.stage_events[i], be_.stream);
@@ -298,6 +286,8 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
       job.rows = bf.grows;
       job.drift = bf.qdrift;
       job.stream = st;
+      // A scorer that computes no drift leaves 0 (the adaptive-window smoother reads it).
+      if constexpr (needs_drift) KVEVICT_CUDA_TRY(cudaMemsetAsync(bf.qdrift, 0, static_cast<std::size_t>(sh.nq) * sizeof(double), st));
       KVEVICT_TRY(scorer_i::score(job, bf.sc));
     }
     record(2);
@@ -367,9 +357,8 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     return {};
   }
 
-  params_type p_;
+  using api_base::p_;
   cuda::backend be_;
-  std::uint64_t generation_;  ///< a process-wide unique number, renewed by the mutable params(): older plans are stale
 };
 
 }  // namespace kvevict

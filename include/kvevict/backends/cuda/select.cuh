@@ -232,17 +232,8 @@ __global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req
     const std::int64_t r = static_cast<std::int64_t>(b) * sh.H + h;
     const head_plan pl = plankv[b * sh.Hkv + h / sh.Gout];
     plans[r] = pl;
-    if constexpr (kind == budget_kind::score_driven) {
-      budgets[r] = pl.pass_through ? pl.length : pl.base_budget;
-      need[r] = (HasScores && !pl.pass_through) ? 1 : 0;
-    } else if constexpr (kind == budget_kind::whole_layer) {
-      budgets[r] = pl.length;  // set below, once the sequence's plans are known
-      need[r] = 0;
-    } else {
-      const std::int64_t bud = Budgeter::head_budget(bp, pl, sh.layer, sh.num_layers);
-      budgets[r] = bud;
-      need[r] = (HasScores && bud < pl.length) ? 1 : 0;
-    }
+    // The front-end's rule (whole-layer: the length, set below once the sequence's plans are known).
+    kvevict::detail::initial_row_budget<Budgeter>(bp, pl, sh.layer, sh.num_layers, HasScores, budgets + r, need + r);
   }
   if constexpr (kind == budget_kind::whole_layer)
     BudgeterImpl::sequence_budgets(b, sh, req, bp, HasScores, plans, budgets, need, st, bs);  // synchronises first
@@ -498,8 +489,7 @@ template <int Unused = 0>
 __global__ void counts_kernel(const head_plan* plans, const std::int64_t* budgets, std::int64_t rows, std::int32_t* cnt) {
   const std::int64_t r = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   if (r >= rows) return;
-  const std::int64_t L = plans[r].length, b = budgets[r];
-  cnt[r] = static_cast<std::int32_t>(b < L ? b : L);
+  cnt[r] = static_cast<std::int32_t>(kvevict::detail::kept_tokens(plans[r], budgets[r]));
 }
 
 /// Report (device status) when the total kept count exceeds the selection capacity.

@@ -18,6 +18,22 @@
 namespace kvevict {
 namespace cpu {
 
+namespace detail {
+/// A temporal smoother with a linear row weighting weight(params, j, w) (every built-in).
+template <class Tm, class = void>
+struct is_linear_temporal : std::false_type {};
+template <class Tm>
+struct is_linear_temporal<Tm, std::void_t<decltype(Tm::weight(std::declval<const typename Tm::params&>(), 0, 1))>> : std::true_type {};
+
+/// A scorer that checks its tables against a layer's shape declares
+///   static status check_layer(const params&, int64 kv_heads, int64 head_dim, int layer_idx, int num_layers);
+template <class S, class = void>
+struct has_check_layer : std::false_type {};
+template <class S>
+struct has_check_layer<S, std::void_t<decltype(S::check_layer(std::declval<const typename S::params&>(), std::int64_t{},
+                                                               std::int64_t{}, int{}, int{}))>> : std::true_type {};
+}  // namespace detail
+
 /// See the file comment. Adds no drift (a head_scorer computes no window attention: a policy
 /// that pairs it with spatial::adaptive_window fails to compile unless the scorer declares
 /// window_attention, and then gets drift 0).
@@ -61,8 +77,10 @@ struct head_scorer : scorer_impl_base {
             s.qbuf[(g * job.w + j) * d + c] = to_float(in.queries(b, h * G + g, qrow, c));
         }
       hi.queries = s.qbuf;
-      temporal_impl<typename Policy::temporal_smoother>::weights(P.temporal, job.w, s.st_c);
-      hi.temporal_weights = s.st_c;
+      if constexpr (detail::is_linear_temporal<typename Policy::temporal_smoother>::value) {
+        temporal_impl<typename Policy::temporal_smoother>::weights(P.temporal, job.w, s.st_c);
+        hi.temporal_weights = s.st_c;
+      }
     }
     Impl::score_head(P.scorer, hi, rows);
     for (std::int64_t n = 0; n < L; ++n) rows[n] = saturate(rows[n]);
@@ -90,28 +108,11 @@ struct legacy_hook {
 
 }  // namespace detail
 
-namespace detail {
-/// A scorer that checks its tables against a layer's shape declares
-///   static status check_layer(const params&, int64 kv_heads, int64 head_dim, int layer_idx, int num_layers);
-template <class S, class = void>
-struct has_check_layer : std::false_type {};
-template <class S>
-struct has_check_layer<S, std::void_t<decltype(S::check_layer(std::declval<const typename S::params&>(), std::int64_t{},
-                                                               std::int64_t{}, int{}, int{}))>> : std::true_type {};
-}  // namespace detail
 
-/// A scorer with the legacy hook needs no specialisation (its check_layer, if any, runs at plan time).
+/// A scorer with the legacy hook needs no specialisation (its policy-level check_layer, if any,
+/// runs at plan time as every scorer's does).
 template <class S>
-struct scorer_impl<S, std::enable_if_t<detail::has_cpu_hook<S>::value>> : head_scorer<detail::legacy_hook<S>> {
-  template <class T>
-  static status check_layer(const typename S::params& p, const layer_inputs<T>& in) {
-    if constexpr (detail::has_check_layer<S>::value)
-      return S::check_layer(p, in.kv_heads(), in.head_dim(), in.layer_idx, in.num_layers);
-    (void)p;
-    (void)in;
-    return {};
-  }
-};
+struct scorer_impl<S, std::enable_if_t<detail::has_cpu_hook<S>::value>> : head_scorer<detail::legacy_hook<S>> {};
 
 }  // namespace cpu
 }  // namespace kvevict

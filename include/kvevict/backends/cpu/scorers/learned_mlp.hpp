@@ -23,11 +23,7 @@ struct scorer_impl<scorers::learned_mlp> : head_scorer<scorer_impl<scorers::lear
     const int l = p.layer >= 0 ? p.layer : static_cast<int>(hi.layer_idx);
     learned_mlp_rows::score_rows(p, l, hi.kv_head, hi.keys, hi.values, hi.length, hi.head_dim, out);
   }
-  /// The tables must match the layer (kv_heads, head_dim, layer index): learned_mlp::check_layer.
-  template <class T>
-  static status check_layer(const scorers::learned_mlp::params& p, const layer_inputs<T>& in) {
-    return scorers::learned_mlp::check_layer(p, in.kv_heads(), in.head_dim(), in.layer_idx, in.num_layers);
-  }
+  // The tables are checked against the layer by the policy's own learned_mlp::check_layer (plan time).
 };
 
 }  // namespace cpu
