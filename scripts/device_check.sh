@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command GPU check of the kvevict CUDA backend (H200 / sm_90), meant to finish in about
 # 5-7 minutes on a 16-core machine:
-#   1. configure with -DCMAKE_CUDA_ARCHITECTURES=90, build only test_cuda and bench_cuda
+#   1. configure with -DCMAKE_CUDA_ARCHITECTURES=90, build only test_cuda, bench_cuda and the
+#      user-scorer example (examples/custom_policy_cuda.cu)
 #   2. run the CUDA tests (full grid: every stage vs the CPU backend)
 #   3. compute-sanitizer memcheck (KVEVICT_CUDA_TEST_GRID=small) and racecheck (=tiny)
 #   4. run the CUDA benchmarks and print a table: per-stage time, achieved GB/s and the
@@ -61,7 +62,7 @@ fi
 
 step configure 120 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_BENCH=ON "${CMAKE_DEPS[@]}" || true
-step build 300 cmake --build "$BUILD" -j"$JOBS" --target test_cuda bench_cuda || true
+step build 300 cmake --build "$BUILD" -j"$JOBS" --target test_cuda bench_cuda kvevict_custom_policy_cuda || true
 
 TEST=$BUILD/tests/backends/cuda/test_cuda
 BENCH=$BUILD/bench/cuda/bench_cuda
@@ -73,6 +74,10 @@ if [ -x "$TEST" ]; then
   else
     echo "compute-sanitizer not found"; FAILED+=("sanitizer(missing)")
   fi
+fi
+EXAMPLE=$BUILD/examples/kvevict_custom_policy_cuda
+if [ -x "$EXAMPLE" ]; then
+  step user_scorer_example 60 "$EXAMPLE" || true  # a user's scorer through cuda::scorer_impl
 fi
 if [ -x "$BENCH" ]; then
   step bench 150 "$BENCH" --benchmark_out="$OUTDIR/bench.json" --benchmark_out_format=json || true

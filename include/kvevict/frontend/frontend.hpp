@@ -333,6 +333,7 @@ struct frontend {
     pl.signature = layer_signature::of(in);
     pl.owner = rq.owner;
     pl.generation = rq.generation;
+    pl.params_fingerprint = bytes_fingerprint(p);
     pl.num_threads = rq.num_threads;
     if (rq.lengths_known && rq.host_budgets) {
       KVEVICT_TRY(kept_total(in, p, budget, len, &pl.max_selected));
@@ -348,24 +349,30 @@ struct frontend {
     return {};
   }
 
-  /// run(plan, ...): the plan belongs to this evictor, is current and was made for these shapes.
-  /// Also the plan's rows against the current parameters (a params_type& taken before plan()
-  /// and written after it changes them without a new generation).
+  /// run(plan, ...): the plan belongs to this evictor, is current (same parameter generation
+  /// and the same parameter bytes: a params_type& held across plan() and written after it is
+  /// caught), was made for these shapes, and its budget and rows are valid for the current
+  /// parameters (O(1) checks of the plan's own fields: a plan is plain data the caller can
+  /// write; none of the plan's data checks is repeated).
   template <class T>
   static status check_plan(const eviction_plan& pl, const layer_inputs<T>& in, const params_type& p, const void* owner,
                            std::uint64_t generation) {
     if (!pl.valid) return status::error(errc::invalid_argument, "plan is not valid (plan() did not succeed)");
     if (pl.owner != owner)
       return status::error(errc::invalid_argument, "plan was made by another evictor object (plan with this one)");
-    if (pl.generation != generation)
-      return status::error(errc::invalid_argument, "plan is stale: params() changed since plan() (plan again)");
+    if (pl.generation != generation || pl.params_fingerprint != bytes_fingerprint(p))
+      return status::error(errc::invalid_argument,
+                           "plan is stale: params() changed since plan(), or the plan was not made by plan() (plan again)");
     if (pl.signature != layer_signature::of(in))
       return status::error(errc::invalid_argument,
                            "layer_inputs do not match the plan (shapes, strides, set views, layer_idx or storage type differ; "
                            "plan again)");
-    if (pl.out_heads != out_heads(in, p) || pl.rows != in.batch() * pl.out_heads)
-      return status::error(errc::invalid_argument, "plan is stale: its rows (out_heads = %lld) differ from the parameters' (%lld)",
-                           static_cast<long long>(pl.out_heads), static_cast<long long>(out_heads(in, p)));
+    const std::int64_t H = out_heads(in, p);
+    if (pl.out_heads != H || pl.rows != in.batch() * H)
+      return status::error(errc::invalid_argument, "plan.rows = %lld, plan.out_heads = %lld != %lld rows of %lld heads for these inputs",
+                           static_cast<long long>(pl.rows), static_cast<long long>(pl.out_heads),
+                           static_cast<long long>(in.batch() * H), static_cast<long long>(H));
+    KVEVICT_TRY(validate_budget(pl.budget, p.selector, in.window()));
     return {};
   }
 
@@ -378,9 +385,11 @@ struct frontend {
                                std::size_t workspace_bytes, std::size_t need) {
     KVEVICT_TRY(check_plan(pl, in, p, owner, generation));
     if (!out.indptr || !out.indices) return status::error(errc::null_pointer, "selection.indptr or selection.indices is null");
-    if (workspace_bytes < need || (!workspace && need > 0))
-      return status::error(errc::insufficient_workspace, "workspace_bytes = %zu < plan.workspace_bytes = %zu (or workspace is null)",
-                           workspace_bytes, need);
+    if (!workspace && need > 0)
+      return status::error(errc::insufficient_workspace, "workspace is null (plan.workspace_bytes = %zu)", pl.workspace_bytes);
+    if (workspace_bytes < need)
+      return status::error(errc::insufficient_workspace, "workspace_bytes = %zu < %zu needed (plan.workspace_bytes = %zu)",
+                           workspace_bytes, need, pl.workspace_bytes);
     return {};
   }
 

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kvevict/core/inputs.hpp"
@@ -84,6 +85,20 @@ struct layer_signature {
 };
 
 namespace detail {
+/// FNV-1a of an object's bytes (plain-data parameters; O(sizeof(T))).
+template <class T>
+inline std::uint64_t bytes_fingerprint(const T& x) {
+  static_assert(std::is_trivially_copyable<T>::value, "kvevict: a policy's params must be plain data");
+  unsigned char b[sizeof(T)];
+  std::memcpy(b, &x, sizeof(T));
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::size_t i = 0; i < sizeof(T); ++i) {
+    h ^= b[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
 /// A process-wide unique number for an evictor's parameter state (see eviction_plan::generation).
 inline std::uint64_t next_plan_generation() {
   static std::atomic<std::uint64_t> counter{0};
@@ -110,6 +125,9 @@ struct eviction_plan {
   layer_signature signature{}; ///< the shapes it was made for
   const void* owner = nullptr;    ///< the evictor object that made it (a plan is not portable)
   std::uint64_t generation = 0;  ///< that evictor's parameter generation at plan time
+  /// A hash of the bytes of the evictor's params at plan time: run() rejects the plan when the
+  /// parameters changed since, also through a reference taken before plan().
+  std::uint64_t params_fingerprint = 0;
 };
 
 }  // namespace kvevict

@@ -826,3 +826,75 @@ TEST_CASE("a user scorer through cpu::scorer_impl sees the policy's temporal wei
     }
   CHECK(checked > 100);
 }
+
+TEST_CASE("plan / run: parameters changed through a reference held across plan(), and a tampered plan, never reach the kernels") {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 2, s.cap = 64, s.d = 16, s.window = 8, s.hidden = 0;
+  kvtest::problem p = kvtest::make_problem(s, 3530, 1.0, 1.5, 1.0, {64, 50, 41, 64});
+  kvtest::stored<float> st;
+  kvtest::store(p, layout::nhd, st);
+  const auto budget = kv::budget_request::tokens(16);
+  using P = kv::presets::snapkv;
+  auto expect_rejected = [&](const kv::evictor<P, kv::cpu::backend>& e, const kv::eviction_plan& plan, const char* what,
+                             kv::errc code = kv::errc::invalid_argument) {
+    CAPTURE(what);
+    std::vector<unsigned char> ws(plan.workspace_bytes + 64, 0xAB);
+    const auto r = run_plan(e, plan, st.in, std::max<std::int64_t>(plan.max_selected, 1), ws);
+    CHECK(r.st.code() == code);
+    CHECK_MESSAGE(std::string(r.st.message()).find(what) != std::string::npos, std::string(r.st.message()));
+    CHECK(std::all_of(r.indptr.begin(), r.indptr.end(), [](std::int32_t x) { return x == -7; }));
+    CHECK(std::all_of(r.indices.begin(), r.indices.end(), [](std::int32_t x) { return x == -7; }));
+    CHECK(std::all_of(r.scores.begin(), r.scores.end(), [](float x) { return x == -7.0f; }));
+  };
+  {  // protection raised after plan(): each row would keep more than its budget (past the capacity)
+    kv::evictor<P, kv::cpu::backend> ev;
+    auto& prm = ev.params();
+    kv::eviction_plan pl;
+    REQUIRE(ev.plan(st.in, budget, &pl).ok());
+    prm.selector.num_sink = 40;
+    expect_rejected(ev, pl, "stale");
+    prm.selector.num_sink = 0;  // the same bytes again: the plan is current again
+    std::vector<unsigned char> ws(pl.workspace_bytes);
+    CHECK(run_plan(ev, pl, st.in, pl.max_selected, ws).st.ok());
+    prm.selector.num_sink = -5;  // invalid: Policy::check would reject it
+    expect_rejected(ev, pl, "stale");
+    prm.selector.num_sink = 0;
+    prm.spatial.kernel = 0;  // a zero-width pooling kernel (division by zero if it ran)
+    expect_rejected(ev, pl, "stale");
+  }
+  {  // the assignment route: ev = x copies x's generation, but not the parameters the plan saw
+    kv::evictor<P, kv::cpu::backend> ev, x;
+    kv::eviction_plan pl;
+    REQUIRE(ev.plan(st.in, budget, &pl).ok());
+    x = ev;
+    x.params().selector.num_recent = 40;
+    ev = x;
+    expect_rejected(ev, pl, "stale");
+  }
+  {  // tampered plan fields
+    kv::evictor<P, kv::cpu::backend> ev;
+    kv::eviction_plan pl;
+    REQUIRE(ev.plan(st.in, budget, &pl).ok());
+    kv::eviction_plan t = pl;
+    t.budget.keep_tokens = 1;  // below the protected window
+    expect_rejected(ev, t, "budget.keep_tokens = 1");
+    t = pl;
+    t.budget.keep_fraction = 0.5;  // both forms set
+    expect_rejected(ev, t, "both set");
+    t = pl;
+    t.rows += 1;
+    expect_rejected(ev, t, "plan.rows = 5");
+    t = pl;
+    t.workspace_bytes = 16;  // run() counts what it needs
+    expect_rejected(ev, t, "needed", kv::errc::insufficient_workspace);
+    t = pl;
+    t.num_threads = 100000;  // more threads than the workspace holds scratch for
+    expect_rejected(ev, t, "needed", kv::errc::insufficient_workspace);
+    t = pl;
+    t.num_threads = 0;  // clamped to one thread: the same result
+    std::vector<unsigned char> ws(pl.workspace_bytes);
+    const auto a = run_plan(ev, t, st.in, pl.max_selected, ws), b = run_plan(ev, pl, st.in, pl.max_selected, ws);
+    REQUIRE(a.st.ok());
+    CHECK(a.indices == b.indices);
+  }
+}
