@@ -116,7 +116,7 @@ inline budgets_attention::params budgets_attention_params(const io::lkv_artifact
 /// store them beside the cache for decoding "mode B"). keys/values: (length, head_dim) fp32,
 /// row stride `row_stride` elements. out: length floats. Errors as learned_mlp::check /
 /// check_layer (layer must be a valid table row; kv_head < kv_heads). out[n] is bit-identical to
-/// learned_mlp::utility of token n (learned_mlp::score_rows: blocks of 8 tokens vectorised
+/// learned_mlp::utility of token n (cpu::learned_mlp_rows::score_rows: blocks of 8 tokens vectorised
 /// across tokens, same fp64 operations in the same order; no allocation).
 inline status score_tokens(const scorers::learned_mlp::params& p, int layer, std::int64_t kv_head, const float* keys,
                            const float* values, std::int64_t length, std::int64_t row_stride, float* out) {
