@@ -45,7 +45,7 @@ struct has_layer_budgets<Bu, std::void_t<decltype(Bu::layer_budgets(
                                  std::declval<std::int64_t*>(), std::declval<const typename Bu::layer_scratch&>()))>>
     : std::true_type {};
 
-/// The whole-layer budgeter's scratch type; an empty placeholder for the other budgeters.
+/// The whole-layer budgeter's scratch type; for the other budgeters an empty struct (they need none).
 struct no_layer_scratch {};
 template <class Bu, bool = has_layer_budgets<Bu>::value>
 struct layer_scratch_of {
