@@ -65,7 +65,8 @@ struct scorer_impl {
   static_assert(kvevict::detail::dependent_false<Scorer>,
                 "kvevict: this Scorer has no CPU implementation (backend cpu::backend): specialise "
                 "kvevict::cpu::scorer_impl<Scorer> (see examples/custom_policy.cpp), or give the scorer a static "
-                "score_kv_head(params, cpu::head_inputs, float*) hook");
+                "score_kv_head(params, cpu::head_inputs, float*) hook; a built-in scorer's file must be in the CPU "
+                "scorer list, kvevict/backends/cpu/scorers.hpp");
 };
 
 /// Defaults of the optional members of a scorer_impl.

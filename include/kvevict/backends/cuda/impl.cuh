@@ -178,7 +178,7 @@ struct scorer_impl {
                 "kvevict: this Scorer has no CUDA implementation (backend cuda::backend): specialise "
                 "kvevict::cuda::scorer_impl<Scorer> with a score() that launches its kernel (see "
                 "examples/custom_policy_cuda.cu and docs/cuda.md); a CPU hook (score_kv_head) does not run on the "
-                "device. CriticalKV (scorers::attention_value_norm + selectors::two_stage, presets::criticalkv / "
+                "device; a built-in scorer's file must be in the CUDA stage list, kvevict/cuda.cuh. CriticalKV (scorers::attention_value_norm + selectors::two_stage, presets::criticalkv / "
                 "critical_adakv) runs on the CPU backend only");
 };
 struct scorer_impl_base : stage_impl_base {};
