@@ -1,0 +1,295 @@
+// kvevict Python binding: the extension module kvevict._C (pybind11). Tensors arrive as DLPack
+// capsules (dlpack/dlpack.h from Debian's libdlpack-dev) and are read in place: no copy, strides
+// honoured. The Python package (python/kvevict/__init__.py) is the documented API; this module is
+// its private engine room.
+//
+// Errors: every kvevict status becomes kvevict._C.Error (a ValueError) carrying the library's
+// message, which names the argument and the value; nothing is written on error.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <dlpack/dlpack.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <kvevict/backends/cpu/compact.hpp>
+#include <kvevict/version.hpp>
+
+#include "binding.hpp"
+
+namespace py = pybind11;
+
+namespace kvevict_py {
+
+struct error : std::exception {
+  explicit error(std::string m) : msg(std::move(m)) {}
+  const char* what() const noexcept override { return msg.c_str(); }
+  std::string msg;
+};
+
+[[noreturn]] void raise(const kvevict::status& st) {
+  throw error(std::string("kvevict: ") + st.message());
+}
+
+kvevict::status make_evictor(const std::string& method, const param_map& overrides, const std::string& artifact,
+                             std::unique_ptr<evictor_iface>* out) {
+  kvevict::status st;
+  if (make_window_methods(method, overrides, artifact, &st, out) || make_other_methods(method, overrides, artifact, &st, out) ||
+      make_learned_methods(method, overrides, artifact, &st, out))
+    return st;
+  std::string names;
+  for (const std::string& n : method_names()) names += (names.empty() ? "" : ", ") + n;
+  return kvevict::status::error(kvevict::errc::invalid_argument, "method = '%s' is not a kvevict method (one of: %s)", method.c_str(),
+                                names.c_str());
+}
+
+std::vector<std::string> method_names() {
+  return {"restkv", "snapkv", "pyramidkv", "adakv", "criticalkv", "critical_adakv", "h2o", "tova", "streaming_llm", "key_norm",
+          "lkv", "lkv_uniform_budgets", "lkv_budgets_restkv", "lkv_budgets_attention"};
+}
+
+namespace {
+
+/// Owns the DLManagedTensors taken from capsules during one call and releases them at its end
+/// (the producer's deleter; the Python caller keeps the tensors alive meanwhile).
+struct dlpack_scope {
+  std::vector<DLManagedTensor*> taken;
+  ~dlpack_scope() {
+    for (DLManagedTensor* m : taken)
+      if (m && m->deleter) m->deleter(m);
+  }
+};
+
+dtype dtype_of(const DLDataType& t) {
+  if (t.lanes != 1) return dtype::other;
+  if (t.code == kDLFloat && t.bits == 32) return dtype::f32;
+  if (t.code == kDLFloat && t.bits == 16) return dtype::f16;
+  if (t.code == kDLBfloat && t.bits == 16) return dtype::bf16;
+  if (t.code == kDLInt && t.bits == 32) return dtype::i32;
+  return dtype::other;
+}
+
+/// The tensor behind a DLPack capsule (None: not given). Rank <= 4, CPU memory.
+tensor_arg take(py::handle obj, const char* name, dlpack_scope& scope) {
+  tensor_arg t;
+  if (obj.is_none()) return t;
+  if (!PyCapsule_CheckExact(obj.ptr()) || !PyCapsule_IsValid(obj.ptr(), "dltensor"))
+    throw error(std::string("kvevict: ") + name + " must be a DLPack capsule (a tensor exported with to_dlpack) or None");
+  auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(obj.ptr(), "dltensor"));
+  if (!m) throw error(std::string("kvevict: ") + name + ": empty DLPack capsule");
+  PyCapsule_SetName(obj.ptr(), "used_dltensor");  // consumed: the producer's deleter is ours to call
+  scope.taken.push_back(m);
+  const DLTensor& d = m->dl_tensor;
+  if (d.device.device_type != kDLCPU) {
+    throw error(std::string("kvevict: ") + name + " is on device type " + std::to_string(d.device.device_type) +
+                " (DLPack); this kvevict build runs on CPU tensors only (the CUDA backend is not in the Python binding yet)");
+  }
+  if (d.ndim > 4) throw error(std::string("kvevict: ") + name + " has " + std::to_string(d.ndim) + " dimensions; at most 4 are expected");
+  t.type = dtype_of(d.dtype);
+  t.ndim = d.ndim;
+  t.data = static_cast<char*>(d.data) + d.byte_offset;
+  std::int64_t st = 1;
+  for (int k = d.ndim - 1; k >= 0; --k) {
+    t.shape[k] = d.shape[k];
+    t.strides[k] = d.strides ? d.strides[k] : st;  // null strides: compact row-major
+    st *= d.shape[k];
+  }
+  return t;
+}
+
+template <class T>
+py::array_t<T> to_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
+  auto* held = new std::vector<T>(std::move(v));
+  py::capsule owner(held, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>(shape, held->data(), owner);
+}
+
+py::dict to_dict(const param_map& m) {
+  py::dict d;
+  for (const auto& kv : m) std::visit([&](const auto& v) { d[py::str(kv.first)] = v; }, kv.second);
+  return d;
+}
+
+param_map from_dict(const py::dict& d) {
+  param_map m;
+  for (auto item : d) {
+    const std::string k = py::cast<std::string>(item.first);
+    py::handle v = item.second;
+    if (py::isinstance<py::bool_>(v)) m[k] = v.cast<bool>();
+    else if (py::isinstance<py::int_>(v)) m[k] = v.cast<std::int64_t>();
+    else if (py::isinstance<py::float_>(v)) m[k] = v.cast<double>();
+    else if (py::isinstance<py::str>(v)) m[k] = v.cast<std::string>();
+    else throw error("kvevict: parameter " + k + " must be a bool, int, float or str, got " + std::string(py::str(v.get_type())));
+  }
+  return m;
+}
+
+class py_evictor {
+ public:
+  py_evictor(const std::string& method, const py::dict& params, const std::string& artifact) {
+    const kvevict::status st = make_evictor(method, from_dict(params), artifact, &impl_);
+    if (!st.ok()) raise(st);
+  }
+
+  py::tuple select(py::object queries, py::object keys, py::object values, py::object lengths, py::object positions, py::object wo,
+                   py::object wo_factor, std::int64_t keep_tokens, double keep_fraction, std::int64_t layer_idx,
+                   std::int64_t num_layers, bool want_scores, int num_threads) {
+    dlpack_scope scope;
+    select_args a;
+    a.queries = take(queries, "queries", scope);
+    a.keys = take(keys, "keys", scope);
+    a.values = take(values, "values", scope);
+    a.lengths = take(lengths, "lengths", scope);
+    a.positions = take(positions, "positions", scope);
+    a.wo = take(wo, "wo", scope);
+    a.wo_factor = take(wo_factor, "wo_factor", scope);
+    auto int32_arg = [](std::int64_t v, const char* name) {
+      if (v < INT32_MIN || v > INT32_MAX) throw error(std::string("kvevict: ") + name + " = " + std::to_string(v) + " is out of the int32 range");
+      return static_cast<std::int32_t>(v);
+    };
+    a.keep_tokens = int32_arg(keep_tokens, "budget");
+    a.keep_fraction = keep_fraction;
+    a.layer_idx = int32_arg(layer_idx, "layer_idx");
+    a.num_layers = int32_arg(num_layers, "num_layers");
+    a.want_scores = want_scores;
+    a.num_threads = num_threads;
+    select_result r;
+    kvevict::status st;
+    {
+      py::gil_scoped_release nogil;  // the tensors stay referenced by the caller's frame
+      st = impl_->select(a, &r);
+    }
+    if (!st.ok()) raise(st);
+    const py::ssize_t rows = static_cast<py::ssize_t>(r.batch * r.out_heads), n = static_cast<py::ssize_t>(r.indices.size());
+    py::object scores = py::none();
+    if (want_scores)
+      scores = to_numpy(std::move(r.scores), {static_cast<py::ssize_t>(r.batch), static_cast<py::ssize_t>(r.out_heads),
+                                             static_cast<py::ssize_t>(r.seq)});
+    return py::make_tuple(to_numpy(std::move(r.indptr), {rows + 1}), to_numpy(std::move(r.indices), {n}),
+                          to_numpy(std::move(r.positions), {n}), scores, r.batch, r.out_heads);
+  }
+
+  py::dict params() const { return to_dict(impl_->params()); }
+  std::string method() const { return impl_->method(); }
+  py::dict stats() const {
+    const cache_stats s = impl_->stats();
+    py::dict d;
+    d["plans"] = s.plans;
+    d["runs"] = s.runs;
+    d["workspace_bytes"] = s.workspace_bytes;
+    d["workspace_allocs"] = s.workspace_allocs;
+    return d;
+  }
+
+ private:
+  std::unique_ptr<evictor_iface> impl_;
+};
+
+void compact(py::object cache, py::object indptr, py::object indices) {
+  dlpack_scope scope;
+  const tensor_arg c = take(cache, "cache", scope);
+  const tensor_arg ip = take(indptr, "indptr", scope);
+  const tensor_arg ix = take(indices, "indices", scope);
+  if (ip.type != dtype::i32 || ip.ndim != 1) throw error("kvevict: selection.indptr must be a 1-D int32 tensor");
+  if (ix.type != dtype::i32 || ix.ndim != 1) throw error("kvevict: selection.indices must be a 1-D int32 tensor");
+  if (ip.strides[0] != 1 || ix.strides[0] != 1) throw error("kvevict: selection.indptr and selection.indices must be contiguous");
+  if (ip.shape[0] < 1) throw error("kvevict: selection.indptr is empty (it holds rows + 1 offsets)");
+  const std::int64_t rows = ip.shape[0] - 1;
+  const auto* ipp = static_cast<const std::int32_t*>(ip.data);
+  if (ipp[0] != 0 || ipp[rows] < 0 || ipp[rows] > ix.shape[0])
+    throw error("kvevict: selection.indptr[0] must be 0 and indptr[-1] = " + std::to_string(ipp[rows]) +
+                " at most the length of indices = " + std::to_string(ix.shape[0]));
+  kvevict::status st;
+  {
+    py::gil_scoped_release nogil;
+    st = compact_in_place(c, ipp, static_cast<const std::int32_t*>(ix.data), rows);
+  }
+  if (!st.ok()) raise(st);
+}
+
+void wo_factors_py(py::object wo, std::int64_t q_heads, std::int64_t head_dim, py::object out) {
+  dlpack_scope scope;
+  const tensor_arg w = take(wo, "wo", scope);
+  const tensor_arg o = take(out, "out", scope);
+  if (o.type != dtype::f32 || o.ndim != 3 || o.shape[0] != q_heads || o.shape[1] != head_dim || o.shape[2] != head_dim ||
+      o.strides[2] != 1 || o.strides[1] != head_dim || o.strides[0] != head_dim * head_dim)
+    throw error("kvevict: wo_factors out must be a contiguous float32 tensor of shape (q_heads, head_dim, head_dim)");
+  kvevict::status st;
+  {
+    py::gil_scoped_release nogil;
+    st = wo_factors(w, q_heads, head_dim, static_cast<float*>(o.data));
+  }
+  if (!st.ok()) raise(st);
+}
+
+}  // namespace
+
+template <class T>
+static kvevict::status compact_t(const tensor_arg& c, const kvevict::const_selection_view& sel) {
+  kvevict::kv_view<T> v;
+  v.data = static_cast<T*>(c.data);
+  for (int k = 0; k < 4; ++k) {
+    v.extent[k] = c.shape[k];
+    v.stride[k] = c.strides[k];
+    if (c.strides[k] < 0)
+      return kvevict::status::error(kvevict::errc::invalid_argument, "cache.stride[%d] = %lld is negative", k,
+                                    static_cast<long long>(c.strides[k]));
+  }
+  kvevict::kv_view<const T> src;
+  src.data = v.data;
+  for (int k = 0; k < 4; ++k) {
+    src.extent[k] = v.extent[k];
+    src.stride[k] = v.stride[k];
+  }
+  return kvevict::cpu::compact<T>(src, sel, v);
+}
+
+kvevict::status compact_in_place(const tensor_arg& cache, const std::int32_t* indptr, const std::int32_t* indices, std::int64_t rows) {
+  if (cache.ndim != 4)
+    return kvevict::status::error(kvevict::errc::invalid_argument, "cache has %d dimensions; kvevict needs 4 (batch, heads, seq, head_dim)",
+                                  cache.ndim);
+  if (rows != cache.shape[0] * cache.shape[1])
+    return kvevict::status::error(kvevict::errc::shape_mismatch, "selection has %lld rows != batch * heads = %lld of the cache",
+                                  static_cast<long long>(rows), static_cast<long long>(cache.shape[0] * cache.shape[1]));
+  const kvevict::const_selection_view sel(indptr, indices, rows);
+  switch (cache.type) {
+    case dtype::f32: return compact_t<float>(cache, sel);
+    case dtype::f16: return compact_t<kvevict::half_t>(cache, sel);
+    case dtype::bf16: return compact_t<kvevict::bfloat16_t>(cache, sel);
+    default:
+      return kvevict::status::error(kvevict::errc::invalid_argument, "cache.dtype = %s; kvevict compacts float32, float16 or bfloat16",
+                                    to_string(cache.type));
+  }
+}
+
+}  // namespace kvevict_py
+
+PYBIND11_MODULE(_C, m) {
+  using namespace kvevict_py;
+  m.doc() = "kvevict's compiled core (private: use the kvevict package)";
+  static py::exception<error> exc(m, "Error", PyExc_ValueError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const error& e) {
+      PyErr_SetString(exc.ptr(), e.what());
+    }
+  });
+  m.attr("version") = std::to_string(KVEVICT_VERSION_MAJOR) + "." + std::to_string(KVEVICT_VERSION_MINOR) + "." + std::to_string(KVEVICT_VERSION_PATCH);
+  m.def("methods", &method_names);
+  py::class_<py_evictor>(m, "Evictor")
+      .def(py::init<const std::string&, const py::dict&, const std::string&>(), py::arg("method"), py::arg("params"),
+           py::arg("artifact") = "")
+      .def("select", &py_evictor::select, py::arg("queries"), py::arg("keys"), py::arg("values"), py::arg("lengths"),
+           py::arg("positions"), py::arg("wo"), py::arg("wo_factor"), py::arg("keep_tokens"), py::arg("keep_fraction"),
+           py::arg("layer_idx"), py::arg("num_layers"), py::arg("want_scores"), py::arg("num_threads"))
+      .def("params", &py_evictor::params)
+      .def("stats", &py_evictor::stats)
+      .def_property_readonly("method", &py_evictor::method);
+  m.def("wo_factors", &wo_factors_py, py::arg("wo"), py::arg("q_heads"), py::arg("head_dim"), py::arg("out"));
+  m.def("compact", &compact, py::arg("cache"), py::arg("indptr"), py::arg("indices"));
+}

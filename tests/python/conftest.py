@@ -1,0 +1,33 @@
+"""pytest set-up for the Python binding's tests: kvevict must be importable (ctest sets
+PYTHONPATH to <build>/python; after scripts/install_python.sh it is installed)."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+try:
+    import kvevict  # noqa: F401
+except ImportError as e:  # a clear failure, not a skip: the binding is part of the test suite
+    raise ImportError(f"kvevict is not importable ({e}): build it (cmake --build <build> --target kvevict_python) and set "
+                      "PYTHONPATH=<build>/python, or run scripts/install_python.sh") from e
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+@pytest.fixture
+def repo():
+    return REPO
+
+
+@pytest.fixture
+def gen():
+    return torch_gen(1234)
+
+
+def torch_gen(seed):
+    import torch
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g

@@ -1,0 +1,93 @@
+"""Bad input to the Python binding raises kvevict.Error (a ValueError) with the library's message,
+naming the argument; nothing is written."""
+import os
+
+import pytest
+import torch
+
+import kvevict
+from conftest import torch_gen
+
+
+@pytest.fixture
+def layer():
+    g = torch_gen(2)
+    k = torch.randn(1, 2, 40, 8, generator=g)
+    return torch.randn(1, 4, 6, 8, generator=g), k, torch.randn_like(k)
+
+
+def test_error_is_a_value_error():
+    assert issubclass(kvevict.Error, ValueError)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(budget=0), "budget = 0"),
+    (dict(budget=1.5), r"budget = 1.5"),
+    (dict(budget=True), "budget must be an int"),
+    (dict(budget="10"), "budget must be an int"),
+    (dict(budget=10, layout="BHSD"), "layout"),
+    (dict(budget=10, spatial_kernel=4), "spatial.kernel = 4"),
+    (dict(budget=10, spatial_kernel=True), "spatial.kernel must be an int"),
+    (dict(budget=10, gqa="median"), "gqa = 'median' is not one of"),
+    (dict(budget=10, temporal_alpha=0.5), "temporal.alpha is not a parameter of method 'snapkv'"),
+    (dict(budget=10, lengths=torch.full((1, 2), 41, dtype=torch.int32)), "lengths"),
+    (dict(budget=10, lengths=torch.full((1, 2), 20, dtype=torch.int64)), "lengths.dtype"),
+    (dict(budget=10, lengths=torch.full((2, 2), 20, dtype=torch.int32)), "lengths shape"),
+    (dict(budget=10, positions=torch.zeros(1, 2, 40, dtype=torch.int64)), "positions.dtype"),
+])
+def test_bad_arguments(layer, kwargs, match):
+    q, k, v = layer
+    with pytest.raises(kvevict.Error, match=match):
+        kvevict.select("snapkv", queries=q, keys=k, values=v, **kwargs)
+
+
+def test_bad_tensors(layer):
+    q, k, v = layer
+    with pytest.raises(kvevict.Error, match="keys.dtype = torch.int32"):
+        kvevict.select("snapkv", queries=q, keys=k.int(), budget=10)
+    with pytest.raises(kvevict.Error, match="keys has 3 dimensions"):
+        kvevict.select("snapkv", queries=q, keys=k[0], budget=10)
+    with pytest.raises(kvevict.Error, match="queries.dtype = float16"):
+        kvevict.select("snapkv", queries=q.half(), keys=k, budget=10)
+    with pytest.raises(kvevict.Error, match="device 'meta'"):
+        kvevict.select("snapkv", queries=q, keys=torch.empty(1, 2, 40, 8, device="meta"), budget=10)
+    with pytest.raises(kvevict.Error, match="must be a torch.Tensor"):
+        kvevict.select("snapkv", queries=q, keys=k.numpy(), budget=10)
+    with pytest.raises(kvevict.Error, match="q_heads = 3 is not a positive multiple"):
+        kvevict.select("snapkv", queries=q[:, :3], keys=k, budget=10)
+    with pytest.raises(kvevict.Error, match="queries head_dim"):
+        kvevict.select("snapkv", queries=q[..., :4], keys=k, budget=10)
+    with pytest.raises(kvevict.Error, match="queries.data is null"):
+        kvevict.select("snapkv", keys=k, budget=10)
+    with pytest.raises(kvevict.Error, match="values.data is null"):
+        kvevict.select("restkv", queries=q, keys=k, budget=10, scorer_use_wo=False)
+    with pytest.raises(kvevict.Error, match="wo_factor.data is null"):
+        kvevict.select("restkv", queries=q, keys=k, values=v, budget=10)
+    with pytest.raises(kvevict.Error, match="wo.data is null"):
+        kvevict.select("criticalkv", queries=q, keys=k, values=v, budget=10)
+    bad = k.clone()
+    bad[0, 1, 7, 3] = float("nan")
+    with pytest.raises(kvevict.Error, match="non_finite"):
+        kvevict.select("snapkv", queries=q, keys=bad, budget=10)
+
+
+def test_bad_methods_and_artifacts(tmp_path):
+    with pytest.raises(kvevict.Error, match="method = 'snapkvv' is not a kvevict method"):
+        kvevict.Evictor("snapkvv")
+    with pytest.raises(kvevict.Error, match="artifact is required"):
+        kvevict.Evictor("lkv")
+    with pytest.raises(kvevict.Error, match="io_error"):
+        kvevict.Evictor("lkv", artifact=str(tmp_path / "missing.lkv"))
+    junk = tmp_path / "junk.lkv"
+    junk.write_bytes(b"not an artifact" * 20)
+    with pytest.raises(kvevict.Error, match="format_error"):
+        kvevict.Evictor("lkv", artifact=str(junk))
+
+
+def test_wo_factors_errors():
+    with pytest.raises(kvevict.Error, match="q_heads = 3"):
+        kvevict.wo_factors(torch.randn(16, 32), 3)
+    w = torch.randn(16, 32)
+    w[2, 5] = float("inf")
+    with pytest.raises(kvevict.Error, match="not finite"):
+        kvevict.wo_factors(w, 4)
