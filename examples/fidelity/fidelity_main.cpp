@@ -52,7 +52,7 @@ std::string resolve_data_dir(const std::string& flag) {
 }
 
 struct options {
-    std::string model_flag, data_flag, out_dir = ".", only;
+    std::string model_flag, data_flag, out_dir = ".", only, dump;
     int prompts = 6, prompt_tokens = 448, steps = 64, chunk = 0;
     std::vector<double> fractions{0.1, 0.2, 0.3, 0.5};
     bool smoke = false, ablations = false;
@@ -62,7 +62,7 @@ int usage(const char* argv0, const std::string& why) {
     if (!why.empty()) std::fprintf(stderr, "error: %s\n", why.c_str());
     std::fprintf(stderr,
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
-                 "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..] [--ablations] [--chunk N]\n"
+                 "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..] [--ablations] [--chunk N] [--dump FILE]\n"
                  "  --smoke            1 prompt, fractions 0.2,0.5, 8 steps; checks the table (exit 1 if incomplete\n"
                  "                     or not finite; exit 0 with a message if the model/text folder is missing);\n"
                  "                     writes fidelity_smoke.csv and fidelity_smoke_per_prompt.csv, never the full report's files\n"
@@ -76,7 +76,9 @@ int usage(const char* argv0, const std::string& why) {
                  "  --methods LIST     only these rows (names as printed)\n"
                  "  --ablations        add ReST-KV ablation rows (diagnostics; one change each from the defaults)\n"
                  "  --chunk N          chunked-prefill eviction every N prompt tokens (budget floor(f * prompt) tokens per\n"
-                 "                     head) instead of one-shot; rows that need the look-ahead (Oracle) are left out\n",
+                 "                     head) instead of one-shot; rows that need the look-ahead (Oracle) are left out\n"
+                 "  --dump FILE        also write the prompts, the continuation, every kept position per (row, fraction,\n"
+                 "                     prompt, layer, KV head) and every KL in full precision (the Python press test reads it)\n",
                  argv0);
     return 2;
 }
@@ -268,11 +270,22 @@ result evicted_cache(const model& m, const wo_factors& wo, const reference& ref,
     return result::success();
 }
 
+/// kept[l][h]: the logical positions a layer-l KV head keeps after eviction, ascending.
+using kept_positions = std::vector<std::vector<std::vector<int>>>;
+
 result evaluate(const model& m, const wo_factors& wo, const reference& ref, const std::vector<int>& prompt, const method& meth,
-                double fraction, int chunk, metrics& out) {
+                double fraction, int chunk, metrics& out, kept_positions* kept = nullptr) {
     const config& c = m.cfg;
     kv_cache cache;
     if (result r = evicted_cache(m, wo, ref, prompt, meth, fraction, chunk, cache); !r) return r;
+    if (kept) {
+        kept->assign(size_t(c.n_layers), std::vector<std::vector<int>>(size_t(c.n_kv_heads)));
+        for (int l = 0; l < c.n_layers; ++l)
+            for (int h = 0; h < c.n_kv_heads; ++h) {
+                const std::int32_t* pos = cache.positions(l) + size_t(h) * size_t(cache.capacity());
+                (*kept)[size_t(l)][size_t(h)].assign(pos, pos + cache.length(l, h));
+            }
+    }
     out = metrics{};
     for (int l = 0; l < c.n_layers; ++l)
         for (int h = 0; h < c.n_kv_heads; ++h) out.kv_bytes += double(cache.length(l, h)) * c.head_dim() * 2 * sizeof(float);
@@ -324,6 +337,7 @@ int main(int argc, char** argv) {
         else if (a == "--data") opt.data_flag = v;
         else if (a == "--out") opt.out_dir = v;
         else if (a == "--methods") opt.only = v;
+        else if (a == "--dump") opt.dump = v;
         else if (a == "--prompts") prompts_flag = v;
         else if (a == "--steps") steps_flag = v;
         else if (a == "--fractions") fractions_flag = v;
@@ -406,6 +420,15 @@ int main(int argc, char** argv) {
     // results[method][fraction] = per-prompt metrics
     std::vector<std::vector<std::vector<metrics>>> res(methods.size(), std::vector<std::vector<metrics>>(opt.fractions.size()));
     bool ok = true;
+    std::FILE* dump = nullptr;
+    if (!opt.dump.empty() && !(dump = std::fopen(opt.dump.c_str(), "w"))) {
+        std::fprintf(stderr, "error: cannot write --dump file %s\n", opt.dump.c_str());
+        return 1;
+    }
+    auto dump_ints = [&](const std::vector<int>& v) {
+        for (int x : v) std::fprintf(dump, " %d", x);
+        std::fprintf(dump, "\n");
+    };
     double self_check = 0, full_bytes = 0;
     std::vector<std::string> excerpt_text;
     for (size_t p = 0; p < prompts.size(); ++p) {
@@ -418,17 +441,33 @@ int main(int argc, char** argv) {
             self_check = std::max(self_check, rel_err(ref.o[size_t(l)], o));
         }
         full_bytes = double(prompts[p].size()) * c.n_layers * c.n_kv_heads * c.head_dim() * 2 * sizeof(float);
+        if (dump) {
+            std::fprintf(dump, "prompt\t%zu\t", p);
+            dump_ints(prompts[p]);
+            std::fprintf(dump, "inputs\t%zu\t", p);
+            dump_ints(ref.inputs);
+        }
         for (size_t i = 0; i < methods.size(); ++i)
             for (size_t f = 0; f < opt.fractions.size(); ++f) {
                 metrics mt;
-                if (result r = evaluate(m, wo, ref, prompts[p], methods[i], opt.fractions[f], opt.chunk, mt); !r) {
+                kept_positions kept;
+                if (result r = evaluate(m, wo, ref, prompts[p], methods[i], opt.fractions[f], opt.chunk, mt, dump ? &kept : nullptr); !r) {
                     std::fprintf(stderr, "error: %s at keep %.2f, prompt %zu: %s\n", methods[i].name.c_str(), opt.fractions[f], p, r.error.c_str());
                     ok = false;
                     continue;
                 }
                 res[i][f].push_back(mt);
+                if (dump) {
+                    std::fprintf(dump, "kl\t%s\t%.17g\t%zu\t%.17g\n", methods[i].name.c_str(), opt.fractions[f], p, mt.kl);
+                    for (int l = 0; l < c.n_layers; ++l)
+                        for (int h = 0; h < c.n_kv_heads; ++h) {
+                            std::fprintf(dump, "kept\t%s\t%.17g\t%zu\t%d\t%d\t", methods[i].name.c_str(), opt.fractions[f], p, l, h);
+                            dump_ints(kept[size_t(l)][size_t(h)]);
+                        }
+                }
             }
     }
+    if (dump) std::fclose(dump);
 
     // aggregate, print, write
     std::filesystem::create_directories(opt.out_dir);

@@ -266,7 +266,8 @@ def compact(cache: torch.Tensor, selection: Selection, layout: str = "HND") -> t
     """Compact a K or V cache in place: slot i of row r takes the row's i-th kept slot.
 
     ``cache`` is [batch, heads, seq, dim] (HND) or [batch, seq, heads, dim] (NHD), float32,
-    float16 or bfloat16, the tensor the selection was made for (heads = the selection's heads:
+    float16 or bfloat16, the tensor the selection was made for, or a positions tensor
+    [batch, heads, seq] int32 that moves with it (heads = the selection's heads:
     a per-query-head selection cannot be compacted into a kv_heads cache). Slots past a row's
     count keep their old contents. Returns the new lengths, [batch, heads] int32. On error the
     cache is untouched.
@@ -274,7 +275,10 @@ def compact(cache: torch.Tensor, selection: Selection, layout: str = "HND") -> t
     _check_layout(layout)
     if not isinstance(selection, Selection):
         raise Error(f"kvevict: selection must be a kvevict.Selection, got {type(selection).__name__}")
-    c = _layout_view("cache", _check_tensor("cache", cache, _FLOAT_DTYPES, 4), layout)
+    if isinstance(cache, torch.Tensor) and cache.dtype == torch.int32 and cache.dim() == 3:
+        c = _check_tensor("cache", cache, (torch.int32,), 3).unsqueeze(-1)  # positions [batch, heads, seq]
+    else:
+        c = _layout_view("cache", _check_tensor("cache", cache, _FLOAT_DTYPES, 4), layout)
     if c.shape[0] != selection.batch or c.shape[1] != selection.heads:
         raise Error(f"kvevict: cache has (batch, heads) = ({c.shape[0]}, {c.shape[1]}), the selection "
                     f"({selection.batch}, {selection.heads})")

@@ -260,8 +260,9 @@ kvevict::status compact_in_place(const tensor_arg& cache, const std::int32_t* in
     case dtype::f32: return compact_t<float>(cache, sel);
     case dtype::f16: return compact_t<kvevict::half_t>(cache, sel);
     case dtype::bf16: return compact_t<kvevict::bfloat16_t>(cache, sel);
+    case dtype::i32: return compact_t<std::int32_t>(cache, sel);  // positions, (batch, heads, seq, 1)
     default:
-      return kvevict::status::error(kvevict::errc::invalid_argument, "cache.dtype = %s; kvevict compacts float32, float16 or bfloat16",
+      return kvevict::status::error(kvevict::errc::invalid_argument, "cache.dtype = %s; kvevict compacts float32, float16, bfloat16 or int32",
                                     to_string(cache.type));
   }
 }

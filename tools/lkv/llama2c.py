@@ -17,6 +17,14 @@ attention logits of every query head of that KV head's GQA group, on top of the 
 With ``log(m_i + eps)`` this is the LKV student's soft retention mask. ``return_kv`` hands back
 the per-layer post-RoPE keys and the values so a token scorer can read [k ; v].
 
+KV cache and press hook: ``forward(tokens, cache=KVCache(...))`` appends each layer's keys and
+values to the cache and attends the cached tokens, so a prompt can be prefilled once and
+continued token by token; the cache may be ragged per head (after head-wise eviction). During a
+forward with a cache, every callable in ``model.cache_hooks`` is called per layer, after that
+layer's attention, as ``hook(layer, num_layers, queries, cache, wo)`` (queries: the new tokens'
+post-RoPE queries (B, n_heads, T, head_dim); wo: the layer's output projection [out][in]): a
+press (``kvevict.press``) compresses the layer's cache there.
+
 Only torch and the standard library are needed. Runs in fp32 by default; ``model.double()``
 gives an fp64 forward.
 """
@@ -40,6 +48,7 @@ __all__ = [
     "read_llama2c_header",
     "default_model_dir",
     "HEADER_BYTES",
+    "KVCache",
 ]
 
 HEADER_BYTES = 28  # seven little-endian int32
@@ -174,6 +183,47 @@ BiasArg = Union[None, torch.Tensor, Sequence[Optional[torch.Tensor]],
                 Callable[[int, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]]
 
 
+class KVCache:
+    """Per-layer KV cache of ``Llama.forward(cache=...)`` (the press protocol of kvevict.press).
+
+    keys[l], values[l]  (B, n_kv_heads, capacity, head_dim), keys after RoPE;
+    lengths[l]          (B, n_kv_heads) int32: valid slots per head (heads may differ after eviction);
+    positions[l]        (B, n_kv_heads, capacity) int32: the logical position of each slot (kept
+                        through compaction: a kept key keeps its RoPE position);
+    next_position       position of the next token (never changes on eviction).
+    """
+
+    def __init__(self, cfg: "LlamaConfig", batch: int, capacity: int, dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None):
+        if batch < 1 or capacity < 1:
+            raise ValueError(f"KVCache: batch = {batch} and capacity = {capacity} must be >= 1")
+        shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)
+        L = cfg.n_layers
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]
+        self.lengths = [torch.zeros(batch, cfg.n_kv_heads, dtype=torch.int32, device=device) for _ in range(L)]
+        self.positions = [torch.zeros(batch, cfg.n_kv_heads, capacity, dtype=torch.int32, device=device) for _ in range(L)]
+        self.next_position = 0
+        self.capacity = capacity
+
+    def append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Appends T new tokens (k, v: (B, n_kv_heads, T, head_dim)) to layer l after each head's
+        valid slots; returns the lengths before the append (B, n_kv_heads)."""
+        B, Hk, T, _ = k.shape
+        before = self.lengths[l].clone()
+        if int(before.max()) + T > self.capacity:
+            raise ValueError(f"KVCache: layer {l} holds {int(before.max())} + {T} tokens > capacity {self.capacity}")
+        pos = torch.arange(self.next_position, self.next_position + T, dtype=torch.int32)
+        for b in range(B):
+            for h in range(Hk):
+                n = int(before[b, h])
+                self.keys[l][b, h, n:n + T] = k[b, h]
+                self.values[l][b, h, n:n + T] = v[b, h]
+                self.positions[l][b, h, n:n + T] = pos
+        self.lengths[l] += T
+        return before
+
+
 class Llama(nn.Module):
     """Llama forward pass of a llama2.c model.
 
@@ -200,6 +250,8 @@ class Llama(nn.Module):
         self.w3 = z(L, hd, d)
         self.rms_final = z(d)
         self.wcls = None if cfg.shared_classifier else z(V, d)
+        #: hook(layer, num_layers, queries, cache, wo) per layer of a forward with a cache (module doc)
+        self.cache_hooks: List[Callable] = []
 
     # ------------------------------------------------------------------------------------------
     def forward(
@@ -208,6 +260,7 @@ class Llama(nn.Module):
         attn_bias: BiasArg = None,
         return_kv: bool = False,
         start_pos: int = 0,
+        cache: Optional[KVCache] = None,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, List[Tuple[torch.Tensor, torch.Tensor]]]]:
         """Run the model.
 
@@ -227,7 +280,11 @@ class Llama(nn.Module):
                   changes nothing (softmax is shift invariant).
         return_kv if True, also return [(k, v)] per layer, k post-RoPE, both
                   (B, n_kv_heads, T, head_dim), in the model dtype.
-        start_pos position of tokens[:, 0] (RoPE only; there is no cache here).
+        start_pos position of tokens[:, 0] (RoPE only) without a cache; with one, the cache's
+                  next_position is used instead.
+        cache     optional KVCache: the tokens attend the cached ones plus themselves (causal), their
+                  keys and values are appended, and model.cache_hooks run per layer (attn_bias and
+                  return_kv are not supported with a cache).
 
         Returns logits (B, T, vocab_size), or (logits, kv_list) when return_kv.
         """
@@ -255,6 +312,10 @@ class Llama(nn.Module):
                 raise ValueError(f"attn_bias sequence must have n_layers={L} entries, got "
                                  f"{len(attn_bias)}")
 
+        if cache is not None:
+            if attn_bias is not None or return_kv:
+                raise ValueError("forward: attn_bias and return_kv are not supported with a cache")
+            return self._forward_cached(tokens, cache)
         pos = torch.arange(start_pos, start_pos + T, device=dev)
         cos, sin = _rope_cos_sin(pos, hd, cfg.rope_theta, dtype)
         cos, sin = cos.to(dev), sin.to(dev)
@@ -294,6 +355,49 @@ class Llama(nn.Module):
         if return_kv:
             return logits, kv_out
         return logits
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """forward() with a KVCache: new token t attends every valid cached slot of its KV head and
+        the new tokens 0..t."""
+        cfg = self.cfg
+        B, T = tokens.shape
+        L, H, Hk, hd, G = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.group_size
+        dtype = self.tok_emb.dtype
+        if cache.keys[0].shape[0] != B:
+            raise ValueError(f"forward: tokens batch {B} != cache batch {cache.keys[0].shape[0]}")
+        pos = torch.arange(cache.next_position, cache.next_position + T)
+        cos, sin = _rope_cos_sin(pos, hd, cfg.rope_theta, dtype)
+        scale = 1.0 / math.sqrt(hd)
+        cap = cache.capacity
+        slot = torch.arange(cap)
+        x = self.tok_emb[tokens]
+        for l in range(L):
+            h = _rmsnorm(x, self.rms_att[l], cfg.norm_eps)
+            q = _linear(h, self.wq[l]).view(B, T, H, hd).transpose(1, 2)
+            k = _linear(h, self.wk[l]).view(B, T, Hk, hd).transpose(1, 2)
+            v = _linear(h, self.wv[l]).view(B, T, Hk, hd).transpose(1, 2)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            before = cache.append(l, k, v)  # (B, Hk)
+            # slot s is visible to new token t when s < before + t + 1
+            limit = before[:, :, None].to(torch.int64) + torch.arange(T)[None, None, :] + 1  # (B, Hk, T)
+            visible = slot[None, None, None, :] < limit[..., None]  # (B, Hk, T, cap)
+            qg = q.view(B, Hk, G, T, hd)
+            kc, vc = cache.keys[l], cache.values[l]
+            scores = torch.matmul(qg, kc[:, :, None].transpose(-1, -2)) * scale  # (B, Hk, G, T, cap)
+            scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+            att = torch.softmax(scores, dim=-1)
+            o = torch.matmul(att, vc[:, :, None])
+            o = o.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
+            x = x + _linear(o, self.wo[l])
+            for hook in list(self.cache_hooks):
+                hook(l, L, q, cache, self.wo[l])
+            h = _rmsnorm(x, self.rms_ffn[l], cfg.norm_eps)
+            x = x + _linear(F.silu(_linear(h, self.w1[l])) * _linear(h, self.w3[l]), self.w2[l])
+        cache.next_position += T
+        x = _rmsnorm(x, self.rms_final, cfg.norm_eps)
+        wcls = self.tok_emb if self.wcls is None else self.wcls
+        return _linear(x, wcls)
 
     @staticmethod
     def _layer_bias(attn_bias: BiasArg, l: int, k, v, B: int, Hk: int, T: int):

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from llama2c import HEADER_BYTES, Llama, load_llama2c, read_llama2c_header  # noqa: E402
+from llama2c import HEADER_BYTES, KVCache, Llama, load_llama2c, read_llama2c_header  # noqa: E402
 from llama2c import default_model_dir  # noqa: E402
 from tokenizer import BOS, Tokenizer  # noqa: E402
 
@@ -348,6 +348,48 @@ def test_bias_gradient_and_batch():
             pass
         else:
             raise AssertionError("bad attn_bias shape accepted")
+
+
+def test_kv_cache_forward():
+    """forward(cache=...): a prompt prefilled in two chunks, then decoded token by token, gives
+    the logits of the cache-free forward; a head whose cache lost tokens attends only its valid
+    slots (equal to a -1e9 bias on them for that token alone); cache_hooks see each layer's
+    queries."""
+    m = model()
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = m(ids)
+        c = KVCache(m.cfg, 1, 48)
+        seen = []
+        m.cache_hooks.append(lambda l, n, q, cache, wo: seen.append((l, n, tuple(q.shape), tuple(wo.shape))))
+        try:
+            parts = [m(ids[:, :25], cache=c), m(ids[:, 25:30], cache=c)] + [m(ids[:, t:t + 1], cache=c) for t in range(30, 40)]
+        finally:
+            m.cache_hooks.clear()
+    got = torch.cat(parts, dim=1)
+    assert (got - full).abs().max() < 1e-4 * full.abs().max()
+    assert c.next_position == 40 and all(int(x.min()) == 40 for x in c.lengths)
+    assert seen[0] == (0, 5, (1, 8, 25, 8), (64, 64)) and len(seen) == 5 * 12
+    assert c.positions[0][0, 0, :40].tolist() == list(range(40))
+    # drop slots 3..9 of KV head 1 in every layer: compact, then decode one token
+    keep = [i for i in range(40) if not 3 <= i < 10]
+    with torch.no_grad():
+        for l in range(m.cfg.n_layers):
+            for t in (c.keys[l], c.values[l]):
+                t[0, 1, :len(keep)] = t[0, 1, keep].clone()
+            c.positions[l][0, 1, :len(keep)] = torch.tensor(keep, dtype=torch.int32)
+            c.lengths[l][0, 1] = len(keep)
+        nxt = torch.tensor([[7]])
+        y = m(nxt, cache=c)[0, -1]
+        bias = torch.zeros(m.cfg.n_layers, 1, m.cfg.n_kv_heads, 41, 41)  # per (query, key)
+        bias[:, 0, 1, 40, 3:10] = -1e9  # only the new token misses them: the prompt ran unevicted
+        ref = m(torch.cat([ids, nxt], dim=1), attn_bias=bias)[0, -1]
+    assert (y - ref).abs().max() < 1e-4 * ref.abs().max()
+    try:
+        KVCache(m.cfg, 1, 0)
+        raise AssertionError("capacity 0 accepted")
+    except ValueError:
+        pass
 
 
 def test_timing_4x512():
