@@ -199,8 +199,10 @@ class Evictor:
         """The parameters in force, by dotted name."""
         return dict(self._impl.params())
 
-    def stats(self) -> Dict[str, int]:
-        """Plan-cache counters: plans made, runs, workspace bytes held and allocations."""
+    def stats(self) -> Dict[str, Union[int, float]]:
+        """Plan-cache counters: plans made, runs, workspace bytes held and allocations; and
+        ``cpp_seconds``, the wall time spent inside the C++ call (the rest of a call's time is the
+        binding's overhead: argument checks, DLPack export, result tensors)."""
         return dict(self._impl.stats())
 
     def select(self, *, keys: torch.Tensor, budget: Union[int, float], queries: Optional[torch.Tensor] = None,

@@ -11,6 +11,7 @@
 
 #include <dlpack/dlpack.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -161,7 +162,9 @@ class py_evictor {
     kvevict::status st;
     {
       py::gil_scoped_release nogil;  // the tensors stay referenced by the caller's frame
+      const auto t0 = std::chrono::steady_clock::now();
       st = impl_->select(a, &r);
+      cpp_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     if (!st.ok()) raise(st);
     const py::ssize_t rows = static_cast<py::ssize_t>(r.batch * r.out_heads), n = static_cast<py::ssize_t>(r.indices.size());
@@ -182,11 +185,13 @@ class py_evictor {
     d["runs"] = s.runs;
     d["workspace_bytes"] = s.workspace_bytes;
     d["workspace_allocs"] = s.workspace_allocs;
+    d["cpp_seconds"] = cpp_seconds_;
     return d;
   }
 
  private:
   std::unique_ptr<evictor_iface> impl_;
+  double cpp_seconds_ = 0.0;  // wall time inside the C++ select (plan, run, result buffers)
 };
 
 void compact(py::object cache, py::object indptr, py::object indices) {
