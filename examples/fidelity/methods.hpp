@@ -2,7 +2,7 @@
 //
 // A row is a kvevict_engine::method: a name, the number of window queries it reads, and a function that
 // evicts one layer of the engine's cache given the engine state (kvevict_engine::layer_state).
-// Built-in rows: ReST-KV, SnapKV, PyramidKV, AdaKV, H2O, TOVA, StreamingLLM, the random floor and the
+// Built-in rows: ReST-KV, SnapKV, PyramidKV, AdaKV, H2O, TOVA, StreamingLLM, KeyNorm, the random floor and the
 // oracle (orders 0..99). To add rows from a separate file, create examples/fidelity/methods_<name>.cpp
 // (CMake picks up every methods_*.cpp) containing, for example:
 //
@@ -52,6 +52,7 @@ inline std::vector<registered_method> builtin_methods() {
     v.push_back({40, policy_method<presets::h2o>("H2O", presets::h2o::defaults(), -1)});
     v.push_back({50, policy_method<presets::tova>("TOVA")});
     v.push_back({60, policy_method<presets::streaming_llm>("StreamingLLM", presets::streaming_llm::defaults(), 0)});
+    v.push_back({65, policy_method<presets::key_norm>("KeyNorm", presets::key_norm::defaults(), 0)});  // query-free: no window
     v.push_back({70, random_method("Random")});
     v.push_back({90, oracle_method("Oracle")});
     return v;

@@ -3,6 +3,12 @@ the C++ engine's fidelity program on the same prompt: for every preset (and the 
 press keeps exactly the positions the C++ engine keeps in every layer and KV head, and its KL
 (full cache || evicted cache, teacher-forced continuation) equals the C++ report's within 1e-6.
 
+One exception, by construction: key norm scores a token by its key's norm, and at layer 0 a token
+repeated in the prompt has the same key norm at every position in exact arithmetic (RoPE
+preserves norms); fp32 rounding of the rotation breaks those ties differently in C++ and PyTorch.
+KeyNorm's selections must therefore agree up to such ties (the differing positions' float64 norms
+equal within 1e-6), and its KL is compared only where the selections coincide.
+
 Needs the model folder (../shared/models/stories260K or $KVEVICT_MODEL_DIR) and the fidelity
 program ($KVEVICT_FIDELITY_BIN, which ctest sets); skips with a message when either is missing."""
 import math
@@ -24,7 +30,7 @@ import llama2c  # noqa: E402
 # AdaKV+LKV-T composition are not methods of the binding)
 ROWS = {
     "ReST-KV": "restkv", "SnapKV": "snapkv", "PyramidKV": "pyramidkv", "AdaKV": "adakv", "H2O": "h2o", "TOVA": "tova",
-    "StreamingLLM": "streaming_llm", "CriticalKV": "criticalkv", "CriticalAdaKV": "critical_adakv", "LKV": "lkv",
+    "StreamingLLM": "streaming_llm", "KeyNorm": "key_norm", "CriticalKV": "criticalkv", "CriticalAdaKV": "critical_adakv", "LKV": "lkv",
     "Uniform+LKV-T": "lkv_uniform_budgets", "LKV-H+ReST-KV": "lkv_budgets_restkv", "LKV-H+SnapKV": "lkv_budgets_attention",
 }
 ARTIFACT = os.environ.get("KVEVICT_LKV_ARTIFACT") or os.path.join(REPO, "artifacts", "lkv", "stories260K.lkv")
@@ -62,7 +68,9 @@ def engine_run(tmp_path_factory):
             kept[(f[1], float(f[2]), int(f[4]), int(f[5]))] = [int(x) for x in f[6].split()]
     assert prompt and inputs and kl and kept
     model = llama2c.load_llama2c(os.path.join(mdir, "stories260K.bin"))
-    return {"prompt": prompt, "inputs": inputs, "kl": kl, "kept": kept, "model": model}
+    _, cache = run(model, prompt, [])
+    keys = [k[0, :, :len(prompt)].double() for k in cache.keys]  # (kv_heads, L, head_dim) per layer
+    return {"prompt": prompt, "inputs": inputs, "kl": kl, "kept": kept, "model": model, "keys": keys}
 
 
 def run(model, prompt, inputs, press=None):
@@ -99,11 +107,21 @@ def test_press_equals_the_cpp_engine(engine_run, row, fraction):
     method = ROWS[row]
     press = Press(method, budget=fraction, artifact=ARTIFACT if method.startswith("lkv") else None)
     logp, cache = run(m, prompt, inputs, press)
+    same = True
     for l in range(m.cfg.n_layers):
         for h in range(m.cfg.n_kv_heads):
             n = int(cache.lengths[l][0, h]) - len(inputs)  # the continuation was appended after eviction
             got = cache.positions[l][0, h, :n].tolist()
-            assert got == engine_run["kept"][(row, fraction, l, h)], (row, fraction, l, h)
+            want = engine_run["kept"][(row, fraction, l, h)]
+            if got == want:
+                continue
+            assert row == "KeyNorm", (row, fraction, l, h, sorted(set(got) ^ set(want)))
+            norms = engine_run["keys"][l][h].norm(dim=1)
+            diff = sorted(set(got) ^ set(want))
+            vals = [float(norms[i]) for i in diff]
+            assert len(got) == len(want) and max(vals) - min(vals) <= 1e-6 * max(vals), (l, h, diff, vals)
+            same = False
     kl = sum(max(float((lp.exp() * (lp - lq)).sum()), 0.0) for lp, lq in zip(full, logp)) / len(inputs)
     assert math.isfinite(kl)
-    assert abs(kl - engine_run["kl"][(row, fraction)]) <= 1e-6, (row, fraction, kl, engine_run["kl"][(row, fraction)])
+    if same:
+        assert abs(kl - engine_run["kl"][(row, fraction)]) <= 1e-6, (row, fraction, kl, engine_run["kl"][(row, fraction)])
