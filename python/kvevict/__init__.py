@@ -133,9 +133,11 @@ class Selection:
 def _check_tensor(name: str, t: Any, dtypes: Tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise Error(f"kvevict: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise Error(f"kvevict: {name} is on device '{t.device}'; this kvevict build runs on CPU tensors only "
-                    "(the CUDA backend is not in the Python binding yet)")
+    if t.device.type == "cuda" and not _C.cuda:
+        raise Error(f"kvevict: {name} is on device '{t.device}', but this kvevict module was built without the CUDA "
+                    "backend (pass CPU tensors)")
+    if t.device.type not in ("cpu", "cuda"):
+        raise Error(f"kvevict: {name} is on device '{t.device}'; kvevict reads CPU or CUDA tensors")
     if t.layout != torch.strided:
         raise Error(f"kvevict: {name} has layout {t.layout}; kvevict reads strided (dense) tensors")
     if t.dtype not in dtypes:
@@ -224,12 +226,15 @@ class Evictor:
         pos = None if positions is None else _check_tensor("positions", positions, (torch.int32,), 3)
         w = None if wo is None else _check_tensor("wo", wo, _FLOAT_DTYPES, 2)
         wf = None if wo_factor is None else _check_tensor("wo_factor", wo_factor, (torch.float32,), 3)
+        stream = torch.cuda.current_stream(k.device).cuda_stream if k.device.type == "cuda" else 0
         indptr, indices, pos_out, scores, batch, heads = self._impl.select(
             _dl(q), _dl(k), _dl(v), _dl(ln), _dl(pos), _dl(w), _dl(wf), keep_tokens, keep_fraction,
-            int(layer_idx), int(num_layers), bool(return_scores), int(num_threads))
-        return Selection(indptr=torch.from_numpy(indptr), indices=torch.from_numpy(indices),
-                         positions=torch.from_numpy(pos_out), batch=int(batch), heads=int(heads),
-                         scores=None if scores is None else torch.from_numpy(scores))
+            int(layer_idx), int(num_layers), bool(return_scores), int(num_threads), stream)
+        dev = k.device
+        move = (lambda t: t.to(dev)) if dev.type != "cpu" else (lambda t: t)
+        return Selection(indptr=move(torch.from_numpy(indptr)), indices=move(torch.from_numpy(indices)),
+                         positions=move(torch.from_numpy(pos_out)), batch=int(batch), heads=int(heads),
+                         scores=None if scores is None else move(torch.from_numpy(scores)))
 
 
 _cache: Dict[Tuple, Evictor] = {}
@@ -288,8 +293,32 @@ def compact(cache: torch.Tensor, selection: Selection, layout: str = "HND") -> t
     indices = selection.indices.contiguous()
     if indptr.dtype != torch.int32 or indices.dtype != torch.int32:
         raise Error("kvevict: selection.indptr and selection.indices must be int32")
-    _C.compact(_dl(c), _dl(indptr), _dl(indices))
+    if c.device.type == "cuda":
+        _compact_torch(c, indptr.cpu(), indices.cpu())
+    else:
+        _C.compact(_dl(c), _dl(indptr.cpu()), _dl(indices.cpu()))
     return selection.counts().clone()
+
+
+def _compact_torch(c: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor) -> None:
+    """compact() for CUDA caches, with torch gathers on the cache's device (the CUDA backend's
+    compaction does not work in place). The selection is checked first: nothing is written on
+    error."""
+    B, H, S = c.shape[0], c.shape[1], c.shape[2]
+    if indptr.numel() != B * H + 1 or int(indptr[0]) != 0 or int(indptr[-1]) > indices.numel():
+        raise Error(f"kvevict: selection.indptr does not describe {B * H} rows over {indices.numel()} indices")
+    ip = indptr.tolist()
+    rows = []
+    for r in range(B * H):
+        if ip[r + 1] < ip[r]:
+            raise Error(f"kvevict: selection.indptr decreases at row {r}")
+        idx = indices[ip[r]:ip[r + 1]]
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= S or bool((idx[1:] <= idx[:-1]).any())):
+            raise Error(f"kvevict: compact: selection row {r} is outside [0, {S}) or not ascending")
+        rows.append(idx.to(device=c.device, dtype=torch.int64))
+    for r, idx in enumerate(rows):
+        b, h = divmod(r, H)
+        c[b, h, :idx.numel()] = c[b, h].index_select(0, idx)
 
 
 def wo_factors(wo: torch.Tensor, q_heads: int) -> torch.Tensor:
@@ -300,9 +329,9 @@ def wo_factors(wo: torch.Tensor, q_heads: int) -> torch.Tensor:
     (``o_proj.weight``). Compute once per model load.
     """
     w = _check_tensor("wo", wo, _FLOAT_DTYPES, 2)
-    if not isinstance(q_heads, int) or q_heads < 1 or w.shape[1] % q_heads != 0:
+    if not isinstance(q_heads, int) or isinstance(q_heads, bool) or q_heads < 1 or w.shape[1] % q_heads != 0:
         raise Error(f"kvevict: q_heads = {q_heads!r} must be a positive divisor of wo.shape[1] = {w.shape[1]}")
     d = w.shape[1] // q_heads
     out = torch.empty((q_heads, d, d), dtype=torch.float32)
-    _C.wo_factors(_dl(w), q_heads, d, _dl(out))
-    return out
+    _C.wo_factors(_dl(w.cpu()), q_heads, d, _dl(out))  # fp64 QR on the host, once per model
+    return out.to(w.device)

@@ -23,7 +23,9 @@ model can):
   differ after head-wise eviction) and ``positions[l]`` [batch, kv_heads, capacity] int32.
 
 The press compresses a layer only when the forward carries more than one new token (prefill);
-single-token decoding steps pass through. Compaction is in place: the kept tokens move to the
+single-token decoding steps pass through. It compresses once, after a one-shot prefill into an
+empty cache: a forward of several tokens into a cache that already holds some (chunked prefill,
+a second turn) raises ValueError instead of compounding the budget. Compaction is in place: the kept tokens move to the
 front of each head, ``lengths`` drops to the kept counts, ``positions`` moves with the tokens.
 """
 from __future__ import annotations
@@ -77,7 +79,7 @@ class Press:
                 self._factors[layer] = wo_factors(wo.detach(), q_heads)
             return {"wo_factor": self._factors[layer]}
         if self.method in ("criticalkv", "critical_adakv"):
-            return {"wo": wo.detach().to(torch.float32)}
+            return {"wo": wo.detach()}  # in the cache's dtype (compress_layer converts)
         return {}
 
     def compress_layer(self, layer: int, num_layers: int, queries: torch.Tensor, cache: Any,
@@ -88,14 +90,23 @@ class Press:
             return None
         k, v = cache.keys[layer], cache.values[layer]
         lengths, positions = cache.lengths[layer], cache.positions[layer]
+        T = queries.shape[2]
+        if int(lengths.max()) > T:
+            # One-shot eviction at the end of a one-shot prefill: a cache that held tokens before this
+            # forward (chunked prefill, a second turn) would be compressed again, compounding the budget.
+            raise ValueError(f"kvevict.press: layer {layer}'s cache held {int(lengths.max()) - T} tokens before this "
+                             f"{T}-token forward; the press compresses once, after a one-shot prefill of an empty cache "
+                             "(chunked prefill and multi-turn eviction: the C++ engine's eviction_session)")
         q = None
         if self.window is None:
             q = queries
         elif self.window > 0:
             q = queries[:, :, -self.window:]
         q = None if q is None else q.to(k.dtype)
-        sel = self.evictor.select(queries=q, keys=k, values=v, budget=self.budget, lengths=lengths,
-                                  layer_idx=layer, num_layers=num_layers, **self._wo_args(layer, wo, queries.shape[1]))
+        extra = {key: t.to(k.dtype) if key == "wo" else t for key, t in self._wo_args(layer, wo, queries.shape[1]).items()}
+        # positions go through select too, so that every shape is checked before the first compact
+        sel = self.evictor.select(queries=q, keys=k, values=v, budget=self.budget, lengths=lengths, positions=positions,
+                                  layer_idx=layer, num_layers=num_layers, **extra)
         compact(k, sel)
         compact(v, sel)
         compact(positions, sel)

@@ -37,6 +37,8 @@ inline const char* to_string(dtype t) {
 /// in kvevict's logical axis order; ndim <= 4.
 struct tensor_arg {
   void* data = nullptr;
+  int device_type = 1;  ///< DLPack's: 1 CPU, 2 CUDA
+  int device_id = 0;
   dtype type = dtype::none;
   int ndim = 0;
   std::int64_t shape[4] = {0, 0, 0, 0};
@@ -65,6 +67,7 @@ struct select_args {
   std::int32_t num_layers = 1;
   bool want_scores = false;
   int num_threads = 0;  ///< plan_options::num_threads (0: OpenMP's)
+  std::uintptr_t stream = 0;  ///< CUDA: the cudaStream_t to run on (the tensors' current stream)
 };
 
 /// The selection (CSR over rows b * out_heads + h) and, on request, the final scores.
@@ -114,6 +117,16 @@ kvevict::status compact_in_place(const tensor_arg& cache, const std::int32_t* in
 /// The ReST-KV W_O factors (kvevict::cpu::compute_wo_factors): wo (hidden, q_heads * head_dim)
 /// of f32/f16/bf16, any strides; out: (q_heads, head_dim, head_dim) fp32 row-major.
 kvevict::status wo_factors(const tensor_arg& wo, std::int64_t q_heads, std::int64_t head_dim, float* out);
+
+/// True when the module was built with the CUDA backend (methods_cuda.cu).
+bool cuda_built();
+
+/// The evictor of `method` on the CUDA backend for device `device` (as make_evictor). Inputs
+/// must be device memory of that device; select() runs on select_args::stream, waits for it,
+/// reads the device status word and returns the selection in host memory. Errors: not_supported
+/// when the module has no CUDA backend or the method has no CUDA implementation (CriticalKV).
+kvevict::status make_cuda_evictor(const std::string& method, const param_map& overrides, const std::string& artifact, int device,
+                                  std::unique_ptr<evictor_iface>* out);
 
 // Factories of the method units (methods_*.cpp); each returns false when `method` is not its.
 bool make_window_methods(const std::string& method, const param_map& overrides, const std::string& artifact,

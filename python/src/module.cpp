@@ -13,7 +13,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,10 @@ struct error : std::exception {
 
 kvevict::status make_evictor(const std::string& method, const param_map& overrides, const std::string& artifact,
                              std::unique_ptr<evictor_iface>* out) {
+  if (!artifact.empty() && method.rfind("lkv", 0) != 0)
+    return kvevict::status::error(kvevict::errc::invalid_argument,
+                                  "artifact = '%s' is given, but method '%s' reads no LKV artifact (only the lkv* methods do)",
+                                  artifact.c_str(), method.c_str());
   kvevict::status st;
   if (make_window_methods(method, overrides, artifact, &st, out) || make_other_methods(method, overrides, artifact, &st, out) ||
       make_learned_methods(method, overrides, artifact, &st, out))
@@ -85,10 +91,15 @@ tensor_arg take(py::handle obj, const char* name, dlpack_scope& scope) {
   PyCapsule_SetName(obj.ptr(), "used_dltensor");  // consumed: the producer's deleter is ours to call
   scope.taken.push_back(m);
   const DLTensor& d = m->dl_tensor;
-  if (d.device.device_type != kDLCPU) {
-    throw error(std::string("kvevict: ") + name + " is on device type " + std::to_string(d.device.device_type) +
-                " (DLPack); this kvevict build runs on CPU tensors only (the CUDA backend is not in the Python binding yet)");
+  if (d.device.device_type != kDLCPU && d.device.device_type != kDLCUDA) {
+    throw error(std::string("kvevict: ") + name + " is on DLPack device type " + std::to_string(d.device.device_type) +
+                "; kvevict reads CPU or CUDA tensors");
   }
+  if (d.device.device_type == kDLCUDA && !cuda_built())
+    throw error(std::string("kvevict: ") + name + " is on cuda:" + std::to_string(d.device.device_id) +
+                ", but this kvevict module was built without the CUDA backend (pass CPU tensors)");
+  t.device_type = d.device.device_type;
+  t.device_id = d.device.device_id;
   if (d.ndim > 4) throw error(std::string("kvevict: ") + name + " has " + std::to_string(d.ndim) + " dimensions; at most 4 are expected");
   t.type = dtype_of(d.dtype);
   t.ndim = d.ndim;
@@ -121,7 +132,12 @@ param_map from_dict(const py::dict& d) {
     const std::string k = py::cast<std::string>(item.first);
     py::handle v = item.second;
     if (py::isinstance<py::bool_>(v)) m[k] = v.cast<bool>();
-    else if (py::isinstance<py::int_>(v)) m[k] = v.cast<std::int64_t>();
+    else if (py::isinstance<py::int_>(v)) {
+      int overflow = 0;
+      const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+      if (overflow) throw error("kvevict: parameter " + k + " = " + std::string(py::str(v)) + " is out of range");
+      m[k] = static_cast<std::int64_t>(x);
+    }
     else if (py::isinstance<py::float_>(v)) m[k] = v.cast<double>();
     else if (py::isinstance<py::str>(v)) m[k] = v.cast<std::string>();
     else throw error("kvevict: parameter " + k + " must be a bool, int, float or str, got " + std::string(py::str(v.get_type())));
@@ -131,14 +147,17 @@ param_map from_dict(const py::dict& d) {
 
 class py_evictor {
  public:
-  py_evictor(const std::string& method, const py::dict& params, const std::string& artifact) {
-    const kvevict::status st = make_evictor(method, from_dict(params), artifact, &impl_);
+  py_evictor(const std::string& method, const py::dict& params, const std::string& artifact)
+      : method_(method), overrides_(from_dict(params)), artifact_(artifact) {
+    const kvevict::status st = make_evictor(method, overrides_, artifact, &impl_);
     if (!st.ok()) raise(st);
   }
 
   py::tuple select(py::object queries, py::object keys, py::object values, py::object lengths, py::object positions, py::object wo,
                    py::object wo_factor, std::int64_t keep_tokens, double keep_fraction, std::int64_t layer_idx,
-                   std::int64_t num_layers, bool want_scores, int num_threads) {
+                   std::int64_t num_layers, bool want_scores, std::int64_t num_threads, std::uintptr_t stream) {
+    if (num_threads < 0 || num_threads > 256)
+      throw error("kvevict: num_threads = " + std::to_string(num_threads) + " must be in [0, 256] (0: OpenMP's default)");
     dlpack_scope scope;
     select_args a;
     a.queries = take(queries, "queries", scope);
@@ -157,13 +176,32 @@ class py_evictor {
     a.layer_idx = int32_arg(layer_idx, "layer_idx");
     a.num_layers = int32_arg(num_layers, "num_layers");
     a.want_scores = want_scores;
-    a.num_threads = num_threads;
+    a.num_threads = static_cast<int>(num_threads);
+    a.stream = stream;
+    evictor_iface* impl = impl_.get();
+    if (a.keys.device_type == kDLCUDA) {  // the CUDA evictor of the keys' device, made on first use
+      std::lock_guard<std::mutex> lock(mutex_);  // (the GIL is held here; the lock orders with select)
+      std::unique_ptr<evictor_iface>& c = cuda_[a.keys.device_id];
+      if (!c) {
+        const kvevict::status st = make_cuda_evictor(method_, overrides_, artifact_, a.keys.device_id, &c);
+        if (!st.ok()) raise(st);
+      }
+      impl = c.get();
+    } else {
+      for (const tensor_arg* t : {&a.queries, &a.values, &a.lengths, &a.positions, &a.wo, &a.wo_factor})
+        if (t->given() && t->device_type != kDLCPU)
+          throw error("kvevict: keys are CPU tensors but another argument is on cuda:" + std::to_string(t->device_id) +
+                      "; kvevict needs every tensor on the keys' device");
+    }
     select_result r;
     kvevict::status st;
     {
       py::gil_scoped_release nogil;  // the tensors stay referenced by the caller's frame
+      // One call at a time per object: the plans and the workspace are shared (kvevict.select's
+      // module-level evictors can be reached from several threads).
+      std::lock_guard<std::mutex> lock(mutex_);
       const auto t0 = std::chrono::steady_clock::now();
-      st = impl_->select(a, &r);
+      st = impl->select(a, &r);
       cpp_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     if (!st.ok()) raise(st);
@@ -178,8 +216,15 @@ class py_evictor {
 
   py::dict params() const { return to_dict(impl_->params()); }
   std::string method() const { return impl_->method(); }
-  py::dict stats() const {
-    const cache_stats s = impl_->stats();
+  /// Counters of the CPU evictor, or of the CUDA evictor of `device` (>= 0).
+  py::dict stats(int device) const {
+    const evictor_iface* e = impl_.get();
+    if (device >= 0) {
+      auto it = cuda_.find(device);
+      if (it == cuda_.end() || !it->second) throw error("kvevict: no CUDA evictor for cuda:" + std::to_string(device) + " yet");
+      e = it->second.get();
+    }
+    const cache_stats s = e->stats();
     py::dict d;
     d["plans"] = s.plans;
     d["runs"] = s.runs;
@@ -190,7 +235,12 @@ class py_evictor {
   }
 
  private:
-  std::unique_ptr<evictor_iface> impl_;
+  std::string method_;
+  param_map overrides_;
+  std::string artifact_;
+  std::unique_ptr<evictor_iface> impl_;                      // CPU
+  std::map<int, std::unique_ptr<evictor_iface>> cuda_;       // CUDA, by device
+  std::mutex mutex_;
   double cpp_seconds_ = 0.0;  // wall time inside the C++ select (plan, run, result buffers)
 };
 
@@ -199,15 +249,27 @@ void compact(py::object cache, py::object indptr, py::object indices) {
   const tensor_arg c = take(cache, "cache", scope);
   const tensor_arg ip = take(indptr, "indptr", scope);
   const tensor_arg ix = take(indices, "indices", scope);
+  if (c.device_type != kDLCPU || ip.device_type != kDLCPU || ix.device_type != kDLCPU)
+    throw error("kvevict: compact here takes CPU tensors (the Python layer gathers CUDA caches with torch)");
   if (ip.type != dtype::i32 || ip.ndim != 1) throw error("kvevict: selection.indptr must be a 1-D int32 tensor");
   if (ix.type != dtype::i32 || ix.ndim != 1) throw error("kvevict: selection.indices must be a 1-D int32 tensor");
   if (ip.strides[0] != 1 || ix.strides[0] != 1) throw error("kvevict: selection.indptr and selection.indices must be contiguous");
   if (ip.shape[0] < 1) throw error("kvevict: selection.indptr is empty (it holds rows + 1 offsets)");
   const std::int64_t rows = ip.shape[0] - 1;
   const auto* ipp = static_cast<const std::int32_t*>(ip.data);
-  if (ipp[0] != 0 || ipp[rows] < 0 || ipp[rows] > ix.shape[0])
-    throw error("kvevict: selection.indptr[0] must be 0 and indptr[-1] = " + std::to_string(ipp[rows]) +
-                " at most the length of indices = " + std::to_string(ix.shape[0]));
+  if (ipp[0] != 0) throw error("kvevict: selection.indptr[0] = " + std::to_string(ipp[0]) + " must be 0");
+  for (std::int64_t r = 0; r < rows; ++r)  // the library reads indices[indptr[r] .. indptr[r + 1]) per row
+    if (ipp[r + 1] < ipp[r] || ipp[r + 1] > ix.shape[0])
+      throw error("kvevict: selection.indptr[" + std::to_string(r + 1) + "] = " + std::to_string(ipp[r + 1]) +
+                  " must be in [indptr[" + std::to_string(r) + "] = " + std::to_string(ipp[r]) + ", len(indices) = " +
+                  std::to_string(ix.shape[0]) + "]");
+  // A cache whose rows share memory (a stride 0 on an axis longer than 1: expand()) cannot be
+  // compacted in place: rows would overwrite each other.
+  for (int k = 0; k < c.ndim; ++k)
+    if (c.strides[k] == 0 && c.shape[k] > 1)
+      throw error("kvevict: cache.stride[" + std::to_string(k) + "] = 0 with extent " + std::to_string(c.shape[k]) +
+                  ": its rows share memory (an expand()ed view); compact a tensor that owns its rows (.contiguous())");
+  if (ipp[rows] == 0) return;  // nothing kept: nothing moves (and indices may have no storage)
   kvevict::status st;
   {
     py::gil_scoped_release nogil;
@@ -220,6 +282,8 @@ void wo_factors_py(py::object wo, std::int64_t q_heads, std::int64_t head_dim, p
   dlpack_scope scope;
   const tensor_arg w = take(wo, "wo", scope);
   const tensor_arg o = take(out, "out", scope);
+  if (w.device_type != kDLCPU || o.device_type != kDLCPU)
+    throw error("kvevict: wo_factors reads CPU tensors (the Python layer copies a CUDA wo to the host: once per model)");
   if (o.type != dtype::f32 || o.ndim != 3 || o.shape[0] != q_heads || o.shape[1] != head_dim || o.shape[2] != head_dim ||
       o.strides[2] != 1 || o.strides[1] != head_dim || o.strides[0] != head_dim * head_dim)
     throw error("kvevict: wo_factors out must be a contiguous float32 tensor of shape (q_heads, head_dim, head_dim)");
@@ -287,14 +351,15 @@ PYBIND11_MODULE(_C, m) {
   });
   m.attr("version") = std::to_string(KVEVICT_VERSION_MAJOR) + "." + std::to_string(KVEVICT_VERSION_MINOR) + "." + std::to_string(KVEVICT_VERSION_PATCH);
   m.def("methods", &method_names);
+  m.attr("cuda") = cuda_built();
   py::class_<py_evictor>(m, "Evictor")
       .def(py::init<const std::string&, const py::dict&, const std::string&>(), py::arg("method"), py::arg("params"),
            py::arg("artifact") = "")
       .def("select", &py_evictor::select, py::arg("queries"), py::arg("keys"), py::arg("values"), py::arg("lengths"),
            py::arg("positions"), py::arg("wo"), py::arg("wo_factor"), py::arg("keep_tokens"), py::arg("keep_fraction"),
-           py::arg("layer_idx"), py::arg("num_layers"), py::arg("want_scores"), py::arg("num_threads"))
+           py::arg("layer_idx"), py::arg("num_layers"), py::arg("want_scores"), py::arg("num_threads"), py::arg("stream") = 0)
       .def("params", &py_evictor::params)
-      .def("stats", &py_evictor::stats)
+      .def("stats", &py_evictor::stats, py::arg("device") = -1)
       .def_property_readonly("method", &py_evictor::method);
   m.def("wo_factors", &wo_factors_py, py::arg("wo"), py::arg("q_heads"), py::arg("head_dim"), py::arg("out"));
   m.def("compact", &compact, py::arg("cache"), py::arg("indptr"), py::arg("indices"));

@@ -34,6 +34,11 @@ def test_error_is_a_value_error():
     (dict(budget=10, lengths=torch.full((1, 2), 20, dtype=torch.int64)), "lengths.dtype"),
     (dict(budget=10, lengths=torch.full((2, 2), 20, dtype=torch.int32)), "lengths shape"),
     (dict(budget=10, positions=torch.zeros(1, 2, 40, dtype=torch.int64)), "positions.dtype"),
+    (dict(budget=10, lengths=torch.full((1, 1), 20, dtype=torch.int32)), "lengths shape"),  # too small: never read past
+    (dict(budget=10, positions=torch.zeros(1, 2, 7, dtype=torch.int32)), "positions shape"),
+    (dict(budget=10, selector_num_sink=2**70), "selector.num_sink = .* is out of range"),
+    (dict(budget=10, num_threads=10**6), "num_threads"),
+    (dict(budget=10, artifact="x.lkv"), "reads no LKV artifact"),
 ])
 def test_bad_arguments(layer, kwargs, match):
     q, k, v = layer
@@ -91,3 +96,33 @@ def test_wo_factors_errors():
     w[2, 5] = float("inf")
     with pytest.raises(kvevict.Error, match="not finite"):
         kvevict.wo_factors(w, 4)
+
+
+def test_compact_refuses_malformed_selections_and_shared_rows():
+    g = torch_gen(9)
+    k = torch.randn(1, 2, 30, 4, generator=g)
+    keep = k.clone()
+    bad = kvevict.Selection(indptr=torch.tensor([0, 3, 2], dtype=torch.int32), indices=torch.tensor([0, 1], dtype=torch.int32),
+                            positions=torch.tensor([0, 1], dtype=torch.int32), batch=1, heads=2)
+    with pytest.raises(kvevict.Error, match="indptr"):
+        kvevict.compact(k, bad)
+    bad.indptr = torch.tensor([1, 1, 2], dtype=torch.int32)
+    with pytest.raises(kvevict.Error, match=r"indptr\[0\]"):
+        kvevict.compact(k, bad)
+    assert torch.equal(k, keep)
+    base = torch.randn(1, 1, 30, 4, generator=g)
+    shared = base.expand(1, 2, 30, 4)  # both heads are the same memory
+    sel = kvevict.select("key_norm", keys=shared.contiguous(), budget=8)
+    before = base.clone()
+    with pytest.raises(kvevict.Error, match="share memory"):
+        kvevict.compact(shared, sel)
+    assert torch.equal(base, before)
+
+
+def test_compact_when_nothing_is_kept():
+    k = torch.randn(1, 2, 16, 4)
+    sel = kvevict.select("key_norm", keys=k, budget=8, lengths=torch.zeros(1, 2, dtype=torch.int32))
+    assert int(sel.indptr[-1]) == 0
+    keep = k.clone()
+    assert kvevict.compact(k, sel).tolist() == [[0, 0]]
+    assert torch.equal(k, keep)

@@ -125,3 +125,48 @@ def test_press_equals_the_cpp_engine(engine_run, row, fraction):
     assert math.isfinite(kl)
     if same:
         assert abs(kl - engine_run["kl"][(row, fraction)]) <= 1e-6, (row, fraction, kl, engine_run["kl"][(row, fraction)])
+
+
+@pytest.mark.parametrize("method", ["snapkv", "adakv", "h2o"])
+def test_press_batch_of_two_equals_each_sequence_alone(method):
+    """Batch 2 through the KVCache and the press keeps, per sequence, what batch 1 keeps (AdaKV:
+    ragged heads), and decoding after it gives the same logits."""
+    mdir = model_dir()
+    if mdir is None:
+        pytest.skip("stories260K model folder not found: batched press test skipped")
+    m = llama2c.load_llama2c(os.path.join(mdir, "stories260K.bin"))
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(1, 512, (2, 120), generator=g)
+    nxt = torch.randint(1, 512, (2, 1), generator=g)
+
+    def go(ids, nid):
+        cache = llama2c.KVCache(m.cfg, batch=ids.shape[0], capacity=ids.shape[1] + 2)
+        with torch.no_grad():
+            with Press(method, budget=0.25)(m):
+                m(ids, cache=cache)
+            out = m(nid, cache=cache)[:, -1]
+        return cache, out
+
+    both, out2 = go(prompts, nxt)
+    for b in range(2):
+        one, out1 = go(prompts[b:b + 1], nxt[b:b + 1])
+        for l in range(m.cfg.n_layers):
+            assert torch.equal(both.lengths[l][b], one.lengths[l][0])
+            for h in range(m.cfg.n_kv_heads):
+                n = int(one.lengths[l][0, h])
+                assert torch.equal(both.positions[l][b, h, :n], one.positions[l][0, h, :n])
+        assert (out2[b] - out1[0]).abs().max() < 1e-4 * out1.abs().max()
+
+
+def test_press_refuses_a_second_prefill():
+    mdir = model_dir()
+    if mdir is None:
+        pytest.skip("stories260K model folder not found")
+    m = llama2c.load_llama2c(os.path.join(mdir, "stories260K.bin"))
+    cache = llama2c.KVCache(m.cfg, batch=1, capacity=100)
+    ids = torch.randint(1, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), Press("snapkv", budget=0.5)(m):
+        m(ids, cache=cache)
+        with pytest.raises(ValueError, match="compresses once"):
+            m(ids[:, :10], cache=cache)
+    assert m.cache_hooks == []  # the context manager removed its hook, also after the error

@@ -114,10 +114,12 @@ def test_every_method_layouts_and_storage_types_agree(method):
     assert base.indptr.shape == (B * H + 1,) and base.indptr[0] == 0
     for r in rows(base):
         assert r == sorted(set(r)) and all(0 <= i < L for i in r)
-    if method not in ("pyramidkv", "adakv", "critical_adakv"):
+    if method == "pyramidkv":  # layer 1 of 4 gets its schedule's share, the same for every head
+        assert base.uniform and 32 < int(base.counts().flatten()[0]) < L
+    elif method in ("adakv", "critical_adakv"):  # head-wise budgets keep each sequence's total
+        assert torch.equal(base.counts().sum(dim=1), torch.full((B,), H * 32, dtype=base.counts().dtype))
+    else:
         assert base.uniform and base.counts().flatten()[0] == 32
-    else:  # head-wise budgets keep the layer's total (PyramidKV: its layer's share)
-        assert base.counts().sum() <= B * H * L
     # NHD storage of the same values selects the same tokens.
     qn, kn, vn = (t.permute(0, 2, 1, 3).contiguous() for t in (q, k, v))
     nhd = run_method(method, qn, kn, vn, wo, layout="NHD")
@@ -152,22 +154,32 @@ def test_per_query_head_selects_per_query_head():
 
 
 def test_plan_and_workspace_are_reused():
-    q, k, v, _ = make_layer(10)
     ev = kvevict.Evictor("snapkv", spatial_kernel=7)
     assert ev.params["spatial.kernel"] == 7
-    first = ev.select(queries=q, keys=k, values=v, budget=32)
-    for _ in range(5):
-        again = ev.select(queries=q + 0, keys=k + 0, values=v, budget=32)  # new data, same shapes
-        assert torch.equal(first.indices, again.indices)
+    for seed in range(6):  # new data of the same shapes: one plan, and each result is a fresh evictor's
+        q, k, v, _ = make_layer(100 + seed)
+        got = ev.select(queries=q, keys=k, values=v, budget=32)
+        fresh = kvevict.Evictor("snapkv", spatial_kernel=7).select(queries=q, keys=k, values=v, budget=32)
+        assert torch.equal(got.indices, fresh.indices) and torch.equal(got.indptr, fresh.indptr)
     s = ev.stats()
     assert s["plans"] == 1 and s["runs"] == 6 and s["workspace_allocs"] == 1 and s["workspace_bytes"] > 0
-    ev.select(queries=q, keys=k, values=v, budget=31)  # another budget: a new plan, same workspace
-    ev.select(queries=q, keys=k, values=v, budget=32, lengths=torch.full((2, 2), 90, dtype=torch.int32))
+    ev.select(queries=q, keys=k, values=v, budget=0.5)  # another budget: a new plan, same workspace
+    # lengths of the same shape but other values: a new plan (they fix the kept count)
+    a = ev.select(queries=q, keys=k, values=v, budget=0.5, lengths=torch.tensor([[90, 60], [97, 40]], dtype=torch.int32))
+    b = ev.select(queries=q, keys=k, values=v, budget=0.5, lengths=torch.tensor([[40, 97], [60, 90]], dtype=torch.int32))
+    assert a.counts().tolist() == [[45, 30], [48, 20]] and b.counts().tolist() == [[20, 48], [30, 45]]
     s = ev.stats()
-    assert s["plans"] == 3 and s["workspace_allocs"] == 1
+    assert s["plans"] == 4 and s["workspace_allocs"] == 1
+    # a loop over layers plans once per layer
+    ev2 = kvevict.Evictor("pyramidkv")
+    for _ in range(3):
+        for layer in range(4):
+            ev2.select(queries=q, keys=k, values=v, budget=32, layer_idx=layer, num_layers=4)
+    assert ev2.stats()["plans"] == 4 and ev2.stats()["runs"] == 12
     # The module-level select() keeps one evictor per (method, artifact, params).
-    a = kvevict.select("snapkv", queries=q, keys=k, budget=32, spatial_kernel=7)
-    assert torch.equal(a.indices, first.indices)
+    a = kvevict.select("snapkv", queries=q, keys=k, values=v, budget=32, spatial_kernel=7)
+    assert torch.equal(a.indices, fresh.indices)
+    assert kvevict.select("snapkv", queries=q, keys=k, budget=32, spatial_kernel=7) is not None
 
 
 def test_defaults_are_the_papers():
@@ -202,5 +214,34 @@ def test_lkv_methods_from_the_artifact(repo, method):
         for r in rows(sel):
             assert r == sorted(set(r)) and all(0 <= i < 120 for i in r)
         total = (total or 0) + int(sel.counts().sum())
-    assert 0 < total <= 5 * 4 * 120
+    if method == "lkv_uniform_budgets":  # uniform: floor(0.3 * 120) = 36 per head and layer
+        assert total == 5 * 4 * 36
+    elif method == "lkv":  # learned head-wise budgets over all layers keep the model's total
+        assert total == 5 * 4 * 36
+    else:  # learned budgets with the window protected: at least the window per head
+        assert 5 * 4 * 32 <= total <= 5 * 4 * 120
     assert "budgeter.temperature" in kvevict.defaults("lkv", artifact=art)
+
+
+def test_threads_share_a_module_level_evictor_safely():
+    """kvevict.select keeps one evictor per (method, params): calls from several threads are
+    serialised on it and each gets its own inputs' result."""
+    import threading
+    layers = [make_layer(300 + i, L=60 + 7 * i) for i in range(6)]
+    want = [kvevict.Evictor("snapkv").select(queries=q, keys=k, budget=16).indices for q, k, _, _ in layers]
+    errors = []
+
+    def work(t):
+        for rep in range(40):
+            i = (t + rep) % len(layers)
+            q, k, _, _ = layers[i]
+            got = kvevict.select("snapkv", queries=q, keys=k, budget=16).indices
+            if not torch.equal(got, want[i]):
+                errors.append((t, rep, i))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
