@@ -40,6 +40,7 @@ argument and its value; nothing is written then. Papers and parameters: docs/pyt
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -75,7 +76,27 @@ def _param_name(key: str) -> str:
 
 
 def _params(params: Dict[str, Any]) -> Dict[str, Any]:
-    return {_param_name(k): v for k, v in params.items()}
+    out: Dict[str, Any] = {}
+    for k, v in params.items():
+        name = _param_name(k)
+        if name in out:
+            raise Error(f"kvevict: parameter {name} is given twice (as {k} and as another spelling)")
+        out[name] = v
+    return out
+
+
+def _int_arg(name: str, v: Any, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise Error(f"kvevict: {name} must be an int, got {v!r}")
+    if not lo <= v <= hi:
+        raise Error(f"kvevict: {name} = {v} must be in [{lo}, {hi}]")
+    return v
+
+
+def _method_arg(method: Any) -> str:
+    if not isinstance(method, str):
+        raise Error(f"kvevict: method must be a str (one of kvevict.methods()), got {method!r}")
+    return method
 
 
 def defaults(method: str, artifact: Optional[str] = None) -> Dict[str, Any]:
@@ -86,7 +107,7 @@ def defaults(method: str, artifact: Optional[str] = None) -> Dict[str, Any]:
     ``select``/``Evictor`` as keyword arguments with ``_`` for the dot (``temporal_alpha=0.3``).
     LKV methods need ``artifact`` (their tables are not listed).
     """
-    return dict(_C.Evictor(method, {}, artifact or "").params())
+    return dict(_C.Evictor(_method_arg(method), {}, artifact or "").params())
 
 
 @dataclass
@@ -190,7 +211,9 @@ class Evictor:
     """
 
     def __init__(self, method: str, artifact: Optional[str] = None, **params: Any) -> None:
-        self._impl = _C.Evictor(method, _params(params), "" if artifact is None else str(artifact))
+        if artifact is not None and not isinstance(artifact, (str, os.PathLike)):
+            raise Error(f"kvevict: artifact must be a path, got {artifact!r}")
+        self._impl = _C.Evictor(_method_arg(method), _params(params), "" if artifact is None else os.fspath(artifact))
 
     @property
     def method(self) -> str:
@@ -219,6 +242,11 @@ class Evictor:
         """
         _check_layout(layout)
         keep_tokens, keep_fraction = _budget(budget)
+        layer_idx = _int_arg("layer_idx", layer_idx, 0, 2**31 - 1)
+        num_layers = _int_arg("num_layers", num_layers, 1, 65536)
+        num_threads = _int_arg("num_threads", num_threads, 0, 256)
+        if not isinstance(return_scores, bool):
+            raise Error(f"kvevict: return_scores must be a bool, got {return_scores!r}")
         k = _layout_view("keys", _check_tensor("keys", keys, _FLOAT_DTYPES, 4), layout)
         q = None if queries is None else _layout_view("queries", _check_tensor("queries", queries, _FLOAT_DTYPES, 4), layout)
         v = None if values is None else _layout_view("values", _check_tensor("values", values, _FLOAT_DTYPES, 4), layout)
@@ -282,6 +310,11 @@ def compact(cache: torch.Tensor, selection: Selection, layout: str = "HND") -> t
     _check_layout(layout)
     if not isinstance(selection, Selection):
         raise Error(f"kvevict: selection must be a kvevict.Selection, got {type(selection).__name__}")
+    for f in ("indptr", "indices"):
+        if not isinstance(getattr(selection, f), torch.Tensor) or getattr(selection, f).dim() != 1:
+            raise Error(f"kvevict: selection.{f} must be a 1-D torch.Tensor (int32)")
+    if isinstance(cache, torch.Tensor) and cache.requires_grad:
+        raise Error("kvevict: cache requires grad; compact() writes in place (pass cache.detach() or use torch.no_grad data)")
     if isinstance(cache, torch.Tensor) and cache.dtype == torch.int32 and cache.dim() == 3:
         c = _check_tensor("cache", cache, (torch.int32,), 3).unsqueeze(-1)  # positions [batch, heads, seq]
     else:

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from . import Evictor, Selection, compact, wo_factors
+from . import Error, Evictor, Selection, _budget, compact, wo_factors
 
 __all__ = ["Press", "DEFAULT_WINDOWS"]
 
@@ -58,10 +58,11 @@ class Press:
     def __init__(self, method: str, budget: Union[int, float], window: Optional[int] = -1,
                  artifact: Optional[str] = None, **params: Any) -> None:
         self.method = method
+        _budget(budget)  # checked now, not at the first forward
         self.budget = budget
         self.window = DEFAULT_WINDOWS.get(method, 32) if window == -1 else window
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 0):
-            raise ValueError(f"kvevict.press: window = {window!r} must be an int >= 0 or None (all queries)")
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0):
+            raise Error(f"kvevict.press: window = {window!r} must be an int >= 0 or None (all queries)")
         self.evictor = Evictor(method, artifact=artifact, **params)
         self.selections: Dict[int, Selection] = {}
         self._factors: Dict[int, torch.Tensor] = {}
@@ -94,7 +95,7 @@ class Press:
         if int(lengths.max()) > T:
             # One-shot eviction at the end of a one-shot prefill: a cache that held tokens before this
             # forward (chunked prefill, a second turn) would be compressed again, compounding the budget.
-            raise ValueError(f"kvevict.press: layer {layer}'s cache held {int(lengths.max()) - T} tokens before this "
+            raise Error(f"kvevict.press: layer {layer}'s cache held {int(lengths.max()) - T} tokens before this "
                              f"{T}-token forward; the press compresses once, after a one-shot prefill of an empty cache "
                              "(chunked prefill and multi-turn eviction: the C++ engine's eviction_session)")
         q = None

@@ -23,7 +23,10 @@ bool make_learned_methods(const std::string& method, const param_map& overrides,
   }
   auto art = std::make_shared<kvevict::io::lkv_artifact>();
   *st = kvevict::io::read_lkv_artifact(artifact.c_str(), art.get());
-  if (!st->ok()) return true;
+  if (!st->ok()) {
+    *st = kvevict::status::error(st->code(), "artifact: %s", st->message());
+    return true;
+  }
   const kvevict::io::lkv_artifact& a = *art;
   if (method == "lkv") *st = make_policy<P::lkv>("lkv", overrides, out, L::full_params(a), art);
   else if (method == "lkv_uniform_budgets")

@@ -11,6 +11,7 @@
 
 #include <dlpack/dlpack.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -104,6 +105,10 @@ tensor_arg take(py::handle obj, const char* name, dlpack_scope& scope) {
   t.type = dtype_of(d.dtype);
   t.ndim = d.ndim;
   t.data = static_cast<char*>(d.data) + d.byte_offset;
+  // An empty tensor may carry no storage (data == null). It is still a given argument: point it
+  // at a sentinel (never read: an extent is 0) so that its shape is checked, not taken as absent.
+  static unsigned char empty_sentinel[16];
+  if (!d.data) t.data = empty_sentinel;
   std::int64_t st = 1;
   for (int k = d.ndim - 1; k >= 0; --k) {
     t.shape[k] = d.shape[k];
@@ -171,6 +176,12 @@ class py_evictor {
       if (v < INT32_MIN || v > INT32_MAX) throw error(std::string("kvevict: ") + name + " = " + std::to_string(v) + " is out of the int32 range");
       return static_cast<std::int32_t>(v);
     };
+    if (a.keys.ndim == 4 && a.keys.shape[0] > 0 && a.keys.shape[1] > 0 &&
+        (a.keys.shape[0] > INT32_MAX / a.keys.shape[1] || a.keys.shape[0] * a.keys.shape[1] > INT32_MAX / std::max<std::int64_t>(a.keys.shape[2], 1)))
+      throw error("kvevict: keys (batch " + std::to_string(a.keys.shape[0]) + ", kv_heads " + std::to_string(a.keys.shape[1]) +
+                  ", seq " + std::to_string(a.keys.shape[2]) + ") hold more than 2^31 - 1 slots: the selection's offsets are int32");
+    if (num_layers > (1 << 16))
+      throw error("kvevict: num_layers = " + std::to_string(num_layers) + " must be at most 65536");
     a.keep_tokens = int32_arg(keep_tokens, "budget");
     a.keep_fraction = keep_fraction;
     a.layer_idx = int32_arg(layer_idx, "layer_idx");
@@ -263,12 +274,22 @@ void compact(py::object cache, py::object indptr, py::object indices) {
       throw error("kvevict: selection.indptr[" + std::to_string(r + 1) + "] = " + std::to_string(ipp[r + 1]) +
                   " must be in [indptr[" + std::to_string(r) + "] = " + std::to_string(ipp[r]) + ", len(indices) = " +
                   std::to_string(ix.shape[0]) + "]");
-  // A cache whose rows share memory (a stride 0 on an axis longer than 1: expand()) cannot be
-  // compacted in place: rows would overwrite each other.
-  for (int k = 0; k < c.ndim; ++k)
-    if (c.strides[k] == 0 && c.shape[k] > 1)
-      throw error("kvevict: cache.stride[" + std::to_string(k) + "] = 0 with extent " + std::to_string(c.shape[k]) +
-                  ": its rows share memory (an expand()ed view); compact a tensor that owns its rows (.contiguous())");
+  // A cache whose rows share memory (expand(), as_strided) cannot be compacted in place: rows
+  // would overwrite each other. Sufficient test for no overlap: with the axes of extent > 1 sorted
+  // by stride, each stride exceeds the span of the smaller ones.
+  {
+    std::vector<std::pair<std::int64_t, std::int64_t>> ax;  // (stride, extent)
+    for (int k = 0; k < c.ndim; ++k)
+      if (c.shape[k] > 1) ax.emplace_back(c.strides[k], c.shape[k]);
+    std::sort(ax.begin(), ax.end());
+    std::int64_t span = 0;  // largest offset reachable with the axes so far
+    for (const auto& a : ax) {
+      if (a.first <= span)
+        throw error("kvevict: cache's strides let different elements share memory (an expand()ed or as_strided view); "
+                    "compact a tensor that owns its rows (.contiguous())");
+      span += a.first * (a.second - 1);
+    }
+  }
   if (ipp[rows] == 0) return;  // nothing kept: nothing moves (and indices may have no storage)
   kvevict::status st;
   {

@@ -126,3 +126,49 @@ def test_compact_when_nothing_is_kept():
     keep = k.clone()
     assert kvevict.compact(k, sel).tolist() == [[0, 0]]
     assert torch.equal(k, keep)
+
+
+def test_empty_tensors_are_checked_not_taken_as_absent(layer):
+    q, k, v = layer
+    with pytest.raises(kvevict.Error, match="lengths shape"):
+        kvevict.select("snapkv", queries=q, keys=k, budget=10, lengths=torch.empty((0, 2), dtype=torch.int32))
+    with pytest.raises(kvevict.Error, match="values.extent"):
+        kvevict.select("snapkv", queries=q, keys=k, values=torch.empty(1, 2, 0, 8), budget=10)
+    with pytest.raises(kvevict.Error, match="window = 0"):
+        kvevict.select("snapkv", queries=torch.empty(1, 4, 0, 8), keys=k, budget=10)
+
+
+def test_scalar_arguments_are_typed(layer):
+    q, k, _ = layer
+    for kw, match in [(dict(layer_idx=1.7), "layer_idx must be an int"), (dict(layer_idx=True), "layer_idx must be an int"),
+                      (dict(num_layers=2**64), "num_layers"), (dict(num_threads=None), "num_threads must be an int"),
+                      (dict(return_scores="no"), "return_scores must be a bool")]:
+        with pytest.raises(kvevict.Error, match=match):
+            kvevict.select("snapkv", queries=q, keys=k, budget=10, **kw)
+    with pytest.raises(kvevict.Error, match="method must be a str"):
+        kvevict.Evictor(5)
+    with pytest.raises(kvevict.Error, match="given twice"):
+        kvevict.Evictor("restkv", temporal_alpha=0.1, **{"temporal.alpha": 0.9})
+    with pytest.raises(kvevict.Error, match="artifact: "):
+        kvevict.Evictor("lkv", artifact="/nonexistent/x.lkv")
+
+
+def test_compact_refuses_overlapping_or_grad_caches(layer):
+    q, k, _ = layer
+    sel = kvevict.select("snapkv", queries=q, keys=k, budget=8)
+    buf = torch.randn(64)
+    keep = buf.clone()
+    with pytest.raises(kvevict.Error, match="share memory"):
+        kvevict.compact(buf.as_strided((1, 2, 16, 8), (0, 4, 1, 1)), sel)
+    assert torch.equal(buf, keep)
+    leaf = k.clone().requires_grad_(True)
+    with pytest.raises(kvevict.Error, match="requires grad"):
+        kvevict.compact(leaf, sel)
+
+
+def test_press_checks_its_arguments_at_construction():
+    from kvevict.press import Press
+    with pytest.raises(kvevict.Error, match="budget"):
+        Press("snapkv", budget=0)
+    with pytest.raises(kvevict.Error, match="window"):
+        Press("snapkv", budget=8, window="32")
