@@ -61,7 +61,7 @@ fi
 [ -d "$DEPS/shared/data/text" ] && export KVEVICT_DATA_DIR="$DEPS/shared/data/text"
 
 step configure 120 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_BENCH=ON "${CMAKE_DEPS[@]}" || true
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_BENCH=ON -DKVEVICT_BUILD_PYTHON=OFF "${CMAKE_DEPS[@]}" || true
 step build 300 cmake --build "$BUILD" -j"$JOBS" --target test_cuda bench_cuda kvevict_custom_policy_cuda || true
 
 TEST=$BUILD/tests/backends/cuda/test_cuda

@@ -31,7 +31,7 @@ if [[ $smoke == 1 ]]; then stem=fidelity_smoke; fi
 
 "$root/scripts/setup.sh" main
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=OFF -DKVEVICT_BUILD_TESTS=OFF \
-  -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_EXAMPLES=ON >/dev/null
+  -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_EXAMPLES=ON -DKVEVICT_BUILD_PYTHON=OFF >/dev/null
 cmake --build "$build" -j"${JOBS:-2}" --target kvevict_fidelity
 mkdir -p "$out"
 rm -f "$out/$stem.csv"

@@ -34,7 +34,7 @@ if [[ -z "$JSON" ]]; then
   JSON="$BUILD/bench_cpu.json"
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS="-march=native" \
         -DKVEVICT_BUILD_BENCH=ON -DKVEVICT_BUILD_TESTS=OFF -DKVEVICT_BUILD_EXAMPLES=OFF \
-        -DKVEVICT_ENABLE_CUDA=OFF >/dev/null
+        -DKVEVICT_ENABLE_CUDA=OFF -DKVEVICT_BUILD_PYTHON=OFF >/dev/null
   cmake --build "$BUILD" --target kvevict_bench_cpu -j "$(nproc)"
   export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
   T0=$(date +%s)
