@@ -19,35 +19,27 @@
 #include <kvevict/cpu.hpp>
 
 #include "binding.hpp"
+#include "evictor_base.hpp"
 #include "inputs.hpp"
 #include "params.hpp"
 
 namespace kvevict_py {
 
-
 template <class Policy>
-class evictor_impl final : public evictor_iface {
+class evictor_impl final : public evictor_base<Policy, kvevict::cpu::backend> {
+  using base = evictor_base<Policy, kvevict::cpu::backend>;
+  using base::ev_;
+  using base::plans_;
+  using base::stats_;
+
  public:
-  using params_type = typename Policy::params;
-  evictor_impl(const char* name, const params_type& p, std::shared_ptr<const void> keep_alive)
-      : ev_(p), name_(name), keep_alive_(std::move(keep_alive)) {}
+  using base::base;
 
   status select(const select_args& a, select_result* out) override {
     if (!out) return status::error(errc::null_pointer, "out is null");
     if (!a.keys.given()) return status::error(errc::null_pointer, "keys is required");
-    switch (a.keys.type) {
-      case dtype::f32: return run<float>(a, out);
-      case dtype::f16: return run<kvevict::half_t>(a, out);
-      case dtype::bf16: return run<kvevict::bfloat16_t>(a, out);
-      default:
-        return status::error(errc::invalid_argument, "keys.dtype = %s; kvevict takes float32, float16 or bfloat16 caches",
-                             to_string(a.keys.type));
-    }
+    return dispatch_storage(a.keys.type, "keys", [&](auto tag) { return run<decltype(tag)>(a, out); });
   }
-
-  param_map params() const override { return to_map(ev_.params()); }
-  const char* method() const override { return name_; }
-  cache_stats stats() const override { return stats_; }
 
  private:
   template <class T>
@@ -57,21 +49,16 @@ class evictor_impl final : public evictor_iface {
     kvevict::budget_request budget;
     budget.keep_tokens = a.keep_tokens;
     budget.keep_fraction = a.keep_fraction;
-    std::vector<std::int64_t> key = cache_key(a, in);
-    auto it = plans_.find(key);
-    if (it == plans_.end()) {
-      kvevict::eviction_plan pl;
+    typename base::plan_map::iterator it;
+    KVEVICT_TRY(this->find_plan(cache_key(a, in), [&](kvevict::eviction_plan* pl) {
       kvevict::plan_options opt;
       opt.num_threads = a.num_threads;
-      KVEVICT_TRY(ev_.plan(in, budget, &pl, opt));
-      ++stats_.plans;
-      if (ws_.size() < pl.workspace_bytes) {
-        ws_.assign(pl.workspace_bytes, 0);
-        ++stats_.workspace_allocs;
-        stats_.workspace_bytes = ws_.size();
-      }
-      if (plans_.size() >= max_plans) plans_.clear();  // a bound, not an LRU: shapes rarely churn
-      it = plans_.emplace(std::move(key), pl).first;
+      return ev_.plan(in, budget, pl, opt);
+    }, &it));
+    if (ws_.size() < it->second.workspace_bytes) {
+      ws_.assign(it->second.workspace_bytes, 0);
+      ++stats_.workspace_allocs;
+      stats_.workspace_bytes = ws_.size();
     }
     const kvevict::eviction_plan& pl = it->second;
     select_result r;
@@ -95,24 +82,14 @@ class evictor_impl final : public evictor_iface {
     return {};
   }
 
-  kvevict::evictor<Policy, kvevict::cpu::backend> ev_;
-  const char* name_;
-  std::shared_ptr<const void> keep_alive_;  // LKV: the artifact the params point into
-  /// Plans by cache key (one per layer, shape, budget and lengths seen; at most max_plans).
-  static constexpr std::size_t max_plans = 256;
-  std::map<std::vector<std::int64_t>, kvevict::eviction_plan> plans_;
-  std::vector<unsigned char> ws_;
-  cache_stats stats_{};
+  std::vector<unsigned char> ws_;  // one workspace for every cached plan; only grows
 };
 
-/// The evictor of Policy with its defaults (or `base`) overridden by `overrides`.
+/// The CPU evictor of Policy with its defaults (or `base`) overridden by `overrides`.
 template <class Policy>
 status make_policy(const char* name, const param_map& overrides, std::unique_ptr<evictor_iface>* out,
                    typename Policy::params base = Policy::defaults(), std::shared_ptr<const void> keep_alive = nullptr) {
-  KVEVICT_TRY(apply(&base, overrides, name));
-  KVEVICT_TRY(Policy::check(base));
-  out->reset(new evictor_impl<Policy>(name, base, std::move(keep_alive)));
-  return {};
+  return make_with<evictor_impl, Policy>(name, overrides, out, base, std::move(keep_alive));
 }
 
 }  // namespace kvevict_py

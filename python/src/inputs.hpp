@@ -24,6 +24,19 @@ constexpr dtype dtype_of() {
   else return dtype::bf16;
 }
 
+/// f(T{}) for the storage type T of `t` (float, half_t, bfloat16_t); other dtypes are an error
+/// naming `name`.
+template <class F>
+status dispatch_storage(dtype t, const char* name, F&& f) {
+  switch (t) {
+    case dtype::f32: return f(float{});
+    case dtype::f16: return f(kvevict::half_t{});
+    case dtype::bf16: return f(kvevict::bfloat16_t{});
+    default:
+      return status::error(errc::invalid_argument, "%s.dtype = %s; kvevict takes float32, float16 or bfloat16", name, to_string(t));
+  }
+}
+
 /// `name` must have rank `rank` and type `want`.
 inline status check_arg(const tensor_arg& t, const char* name, int rank, dtype want, const char* want_desc) {
   if (t.ndim != rank)
@@ -91,7 +104,7 @@ status build_inputs(const select_args& a, kvevict::layer_inputs<T>* in) {
 /// Everything a plan depends on, flattened (pointers excluded: the same shapes with other data
 /// reuse the plan; the lengths' values included: they fix the kept count).
 template <class T>
-std::vector<std::int64_t> cache_key(const select_args& a, const kvevict::layer_inputs<T>& in) {
+std::vector<std::int64_t> cache_key(const select_args& a, const kvevict::layer_inputs<T>& in, bool host_lengths = true) {
   std::vector<std::int64_t> k;
   k.reserve(64);
   k.push_back(static_cast<std::int64_t>(dtype_of<T>()));
@@ -105,11 +118,10 @@ std::vector<std::int64_t> cache_key(const select_args& a, const kvevict::layer_i
   std::int64_t fbits;
   std::memcpy(&fbits, &a.keep_fraction, sizeof(fbits));
   k.insert(k.end(), {a.keep_tokens, fbits, a.layer_idx, a.num_layers, a.num_threads});
-  if (in.lengths.data)
+  if (in.lengths.data && host_lengths)  // CUDA: device memory; the caller appends its host copy
     for (std::int64_t b = 0; b < in.batch(); ++b)
       for (std::int64_t h = 0; h < in.kv_heads(); ++h) k.push_back(in.length(b, h));
   return k;
 }
-
 
 }  // namespace kvevict_py

@@ -19,6 +19,7 @@
 #include <kvevict/cuda.cuh>
 
 #include "binding.hpp"
+#include "evictor_base.hpp"
 #include "inputs.hpp"
 #include "params.hpp"
 
@@ -61,28 +62,22 @@ status check_device(const select_args& a, int dev) {
 }
 
 template <class Policy>
-class cuda_evictor final : public evictor_iface {
+class cuda_evictor final : public evictor_base<Policy, kvevict::cuda::backend> {
+  using base = evictor_base<Policy, kvevict::cuda::backend>;
+  using base::ev_;
+  using base::plans_;
+  using base::stats_;
+
  public:
-  using params_type = typename Policy::params;
-  cuda_evictor(const char* name, const params_type& p, int device, std::shared_ptr<const void> keep_alive)
-      : ev_(p), name_(name), device_(device), keep_alive_(std::move(keep_alive)) {}
+  cuda_evictor(const char* name, const typename base::params_type& p, std::shared_ptr<const void> keep_alive, int device)
+      : base(name, p, std::move(keep_alive)), device_(device) {}
 
   status select(const select_args& a, select_result* out) override {
     if (!out) return status::error(errc::null_pointer, "out is null");
     KVEVICT_TRY(check_device(a, device_));
     KVEVICT_CUDA_TRY(cudaSetDevice(device_));
-    switch (a.keys.type) {
-      case dtype::f32: return run<float>(a, out);
-      case dtype::f16: return run<kvevict::half_t>(a, out);
-      case dtype::bf16: return run<kvevict::bfloat16_t>(a, out);
-      default:
-        return status::error(errc::invalid_argument, "keys.dtype = %s; kvevict takes float32, float16 or bfloat16 caches",
-                             to_string(a.keys.type));
-    }
+    return dispatch_storage(a.keys.type, "keys", [&](auto tag) { return run<decltype(tag)>(a, out); });
   }
-  param_map params() const override { return to_map(ev_.params()); }
-  const char* method() const override { return name_; }
-  cache_stats stats() const override { return stats_; }
 
  private:
   template <class T>
@@ -103,18 +98,14 @@ class cuda_evictor final : public evictor_iface {
     kvevict::budget_request budget;
     budget.keep_tokens = a.keep_tokens;
     budget.keep_fraction = a.keep_fraction;
-    std::vector<std::int64_t> key = cache_key(a, in);
+    std::vector<std::int64_t> key = cache_key(a, in, /*host_lengths=*/false);
     key.insert(key.end(), host_len.begin(), host_len.end());
-    auto it = plans_.find(key);
-    if (it == plans_.end()) {
-      kvevict::eviction_plan pl;
+    typename base::plan_map::iterator it;
+    KVEVICT_TRY(this->find_plan(std::move(key), [&](kvevict::eviction_plan* pl) {
       kvevict::plan_options opt;
       opt.host_lengths = host_len.empty() ? nullptr : host_len.data();
-      KVEVICT_TRY(ev_.plan(in, budget, &pl, opt));
-      ++stats_.plans;
-      if (plans_.size() >= 256) plans_.clear();
-      it = plans_.emplace(std::move(key), pl).first;
-    }
+      return ev_.plan(in, budget, pl, opt);
+    }, &it));
     const kvevict::eviction_plan& pl = it->second;
     KVEVICT_TRY(ws_.reserve(pl.workspace_bytes, &stats_.workspace_allocs));
     stats_.workspace_bytes = ws_.bytes;
@@ -156,22 +147,14 @@ class cuda_evictor final : public evictor_iface {
     return {};
   }
 
-  kvevict::evictor<Policy, kvevict::cuda::backend> ev_;
-  const char* name_;
   int device_;
-  std::shared_ptr<const void> keep_alive_;  // LKV: the device tables the params point into
-  std::map<std::vector<std::int64_t>, kvevict::eviction_plan> plans_;  // as evictor_impl.hpp's cache
-  device_buffer ws_, indptr_, indices_, positions_, scores_;
-  cache_stats stats_{};
+  device_buffer ws_, indptr_, indices_, positions_, scores_;  // cached; only grow
 };
 
 template <class Policy>
 status make(const char* name, const param_map& overrides, int device, std::unique_ptr<evictor_iface>* out,
             typename Policy::params base = Policy::defaults(), std::shared_ptr<const void> keep_alive = nullptr) {
-  KVEVICT_TRY(apply(&base, overrides, name));
-  KVEVICT_TRY(Policy::check(base));
-  out->reset(new cuda_evictor<Policy>(name, base, device, std::move(keep_alive)));
-  return {};
+  return make_with<cuda_evictor, Policy>(name, overrides, out, base, std::move(keep_alive), device);
 }
 
 }  // namespace

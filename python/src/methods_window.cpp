@@ -17,19 +17,11 @@ bool make_window_methods(const std::string& method, const param_map& overrides, 
 }
 
 kvevict::status wo_factors(const tensor_arg& wo, std::int64_t q_heads, std::int64_t head_dim, float* out) {
-  auto run = [&](auto tag) {
+  return dispatch_storage(wo.type, "wo", [&](auto tag) {
     using T = decltype(tag);
     KVEVICT_TRY(check_arg(wo, "wo", 2, dtype_of<T>(), "(hidden, q_heads * head_dim)"));
     return kvevict::cpu::compute_wo_factors(view_of<kvevict::strided_view<const T, 2>>(wo), q_heads, head_dim, out);
-  };
-  switch (wo.type) {
-    case dtype::f32: return run(float{});
-    case dtype::f16: return run(kvevict::half_t{});
-    case dtype::bf16: return run(kvevict::bfloat16_t{});
-    default:
-      return kvevict::status::error(kvevict::errc::invalid_argument, "wo.dtype = %s; kvevict takes float32, float16 or bfloat16",
-                                    to_string(wo.type));
-  }
+  });
 }
 
 }  // namespace kvevict_py
