@@ -12,12 +12,15 @@ cd "$(dirname "$0")/.."
 PY=${KVEVICT_PYTHON:-/usr/bin/python3}
 BUILD_DIR=${BUILD_DIR:-build-python}
 JOBS=${JOBS:-$(nproc)}
+usage() { echo "usage: scripts/install_python.sh [--user | --target DIR]  (docs/python.md)"; }
 case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
   --user) target=$("$PY" -c 'import site; print(site.getusersitepackages())') ;;
-  --target) target=${2:?--target needs a folder}
+  --target) [ -n "${2:-}" ] || { echo "install_python.sh: --target needs a folder" >&2; usage >&2; exit 2; }
+            target=$2
             case "$target" in /*) ;; *) target="$caller/$target" ;; esac ;;  # relative to where it was called
   "") target=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("platlib"))') ;;
-  *) echo "usage: scripts/install_python.sh [--user | --target DIR]" >&2; exit 2 ;;
+  *) usage >&2; exit 2 ;;
 esac
 scripts/setup.sh python
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_BUILD_PYTHON=ON -DKVEVICT_BUILD_TESTS=OFF \

@@ -255,14 +255,33 @@ class Evictor:
         w = None if wo is None else _check_tensor("wo", wo, _FLOAT_DTYPES, 2)
         wf = None if wo_factor is None else _check_tensor("wo_factor", wo_factor, (torch.float32,), 3)
         stream = torch.cuda.current_stream(k.device).cuda_stream if k.device.type == "cuda" else 0
-        indptr, indices, pos_out, scores, batch, heads = self._impl.select(
-            _dl(q), _dl(k), _dl(v), _dl(ln), _dl(pos), _dl(w), _dl(wf), keep_tokens, keep_fraction,
-            int(layer_idx), int(num_layers), bool(return_scores), int(num_threads), stream)
+        try:
+            indptr, indices, pos_out, scores, batch, heads = self._impl.select(
+                _dl(q), _dl(k), _dl(v), _dl(ln), _dl(pos), _dl(w), _dl(wf), keep_tokens, keep_fraction,
+                int(layer_idx), int(num_layers), bool(return_scores), int(num_threads), stream)
+        except Error as e:
+            raise Error(_with_hint(str(e), self.method)) from None
         dev = k.device
         move = (lambda t: t.to(dev)) if dev.type != "cpu" else (lambda t: t)
         return Selection(indptr=move(torch.from_numpy(indptr)), indices=move(torch.from_numpy(indices)),
                          positions=move(torch.from_numpy(pos_out)), batch=int(batch), heads=int(heads),
                          scores=None if scores is None else move(torch.from_numpy(scores)))
+
+
+# What to pass, in Python terms, when the library says an input is missing.
+_HINTS = {
+    "queries.data is null": "pass queries=, the last observation-window queries [batch, q_heads, window, head_dim] (HND)",
+    "values.data is null": "pass values=, the cached values",
+    "wo_factor.data is null": "pass wo_factor=kvevict.wo_factors(o_proj.weight, q_heads), or scorer_use_wo=False",
+    "wo.data is null": "pass wo=, the layer's output projection o_proj.weight [hidden, q_heads * head_dim]",
+}
+
+
+def _with_hint(msg: str, method: str) -> str:
+    for key, hint in _HINTS.items():
+        if key in msg:
+            return f"{msg}; {method}: {hint}"
+    return msg
 
 
 _cache: Dict[Tuple, Evictor] = {}

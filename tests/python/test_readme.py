@@ -30,3 +30,4 @@ def test_docs_press_block_runs():
     out = subprocess.run([sys.executable, "-c", m.group(1)], capture_output=True, text=True, timeout=300, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr
+    assert "tensor([[40, 40, 40, 40]]" in out.stdout, out.stdout  # 20% of 200 tokens per KV head
