@@ -382,6 +382,16 @@ int main(int argc, char** argv) {
     }
     model m;
     if (result r = load_model(model_file(mdir), m); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+    // Every position the report runs (prompt, then the continuation) must lie inside the context
+    // the model was trained on: past it RoPE positions are untrained and the figures meaningless.
+    if (opt.prompt_tokens + opt.steps > m.cfg.seq_len) {
+        std::fprintf(stderr,
+                     "error: --prompt-tokens %d + --steps %d = %d positions exceed the model's trained context of %d tokens "
+                     "(%s); use at most %d prompt tokens with %d steps\n",
+                     opt.prompt_tokens, opt.steps, opt.prompt_tokens + opt.steps, m.cfg.seq_len, model_file(mdir).c_str(),
+                     std::max(0, m.cfg.seq_len - opt.steps), opt.steps);
+        return 2;
+    }
     tokenizer tok;
     if (result r = tok.load(tokenizer_file(mdir), m.cfg.vocab_size); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
     std::ifstream tf(text_path, std::ios::binary);
