@@ -18,9 +18,9 @@ namespace kvevict_bench {
 /// (sequence, KV head) of a layer: G score rows of length L per KV head into `rows`
 /// (kv_heads * G * L floats). drift_topk > 0 also computes the adaptive-window drift (as the
 /// ReST-KV preset does with K = B - w). Memory: the per-thread head_scratch the evictor
-/// carves (about 2 L d + 32 (G + 1) L floats per thread: K and V staging, the logits of a block
-/// of G x 32 window rows, phase 3's 32 rows; plus one 256-token projection tile) plus the
-/// output rows.
+/// carves for the backend's score_block_bytes (the logits of a block of window rows of the
+/// group, at most 16 MiB by default; K and V tiles; one 256-token projection tile; one drift
+/// row of L floats) plus the output rows.
 template <class Policy, class T>
 struct scorer_stage {
   using Scorer = typename Policy::scorer;
@@ -36,20 +36,30 @@ struct scorer_stage {
 
   /// `p`: the parameters run() will get (they decide the scratch, e.g. ReST-KV's "before" mode
   /// holds every token's value projections, "after" mode one tile).
-  scorer_stage(const kvevict::layer_inputs<T>& in, std::int64_t drift_k, const typename Policy::params& p = Policy::defaults())
+  /// `block_bytes`: the backend's score_block_bytes (0: its default).
+  scorer_stage(const kvevict::layer_inputs<T>& in, std::int64_t drift_k, const typename Policy::params& p = Policy::defaults(),
+               std::size_t block_bytes = 0)
       : drift_topk(drift_k) {
+    if (block_bytes > 0) be.score_block_bytes = block_bytes;
     nt = kvevict::cpu::detail::max_threads(be);
     const std::int64_t G = in.group_size();
     const bool full_y = kvevict::cpu::detail::needs_full_projection<Scorer>(p.scorer);
     full_y_ = full_y;
     kvevict::detail::workspace_carver counter;
     kvevict::cpu::detail::head_scratch tmp;
-    for (int t = 0; t < nt; ++t) tmp.carve(counter, in.capacity(), in.window(), in.head_dim(), G, full_y);
+    using impl = kvevict::cpu::scorer_impl<Scorer>;
+    kvevict::cpu::detail::head_scratch::options so;  // as the evictor carves it
+    so.full_y = full_y;
+    so.block_bytes = be.score_block_bytes;
+    so.full_kv = impl::full_kv();
+    so.all_queries = impl::all_queries();
+    so.rows_max = impl::block_rows_max(in.window());
+    so.drift_row = drift_topk > 0;
+    for (int t = 0; t < nt; ++t) tmp.carve(counter, in.capacity(), in.window(), in.head_dim(), G, so);
     ws = aligned_buffer(counter.bytes());
     kvevict::detail::workspace_carver c(ws.data);
     scratch.resize(static_cast<std::size_t>(nt));
-    for (int t = 0; t < nt; ++t)
-      scratch[static_cast<std::size_t>(t)].carve(c, in.capacity(), in.window(), in.head_dim(), G, full_y);
+    for (int t = 0; t < nt; ++t) scratch[static_cast<std::size_t>(t)].carve(c, in.capacity(), in.window(), in.head_dim(), G, so);
     rows.assign(static_cast<std::size_t>(in.batch() * in.q_heads() * in.capacity()), 0.0f);
     drift.assign(static_cast<std::size_t>(in.batch() * in.q_heads()), 0.0);
   }
@@ -65,6 +75,7 @@ struct scorer_stage {
       const std::int64_t b = task / Hkv, h = task % Hkv;
       const std::int64_t L = in.length(b, h);
       kvevict::cpu::detail::head_job<Policy, T> job{&in, &p, b, h, L, std::min<std::int64_t>(in.window(), L), drift_topk};
+      job.rows_per_block = kvevict::cpu::detail::block_rows(be.score_block_bytes, G, L, job.w);
       kvevict::cpu::detail::score_kv_head<Scorer, Temporal>(job, scratch[static_cast<std::size_t>(tid)],
                                                             rows.data() + task * G * S, drift.data() + task * G);
     });

@@ -12,6 +12,8 @@
 //   score_reconstruction  ReST-KV LOR scorer ("after", W_O factor R, EMA 0.3) alone:
 //                         bytes = K + V (16 L d s) + Q + R (32 d^2 * 4) + output 32 L * 4;
 //                         flops = lor_flops(L) (cpu_stage.hpp), ~2 * 32 L d^2 dominant.
+//   score_reconstruction_rows8  the same at 32k with blocks of 8 window rows (score_block_bytes
+//                         4 MiB; 4 passes over K), the block the default gives at 128k.
 //   score_reconstruction_drift  the same plus the adaptive-window drift statistic (top-(B-w)
 //                         mean index of every window row: nth_element over L per row), as the
 //                         ReST-KV preset runs it; same bytes and flops (no arithmetic counted
@@ -75,12 +77,12 @@ void BM_window_attention(benchmark::State& st) {
 
 // --- scorers alone ---------------------------------------------------------------------------
 template <class Policy, class T>
-void run_scorer(benchmark::State& st, std::int64_t drift_topk, double bytes, double flops) {
+void run_scorer(benchmark::State& st, std::int64_t drift_topk, double bytes, double flops, std::size_t block_bytes = 0) {
   const std::int64_t L = st.range(0);
   const auto& data = kb::get_layer<T>(L);
   const auto in = data.inputs();
   const auto p = Policy::defaults();
-  kb::scorer_stage<Policy, T> stage(in, drift_topk);
+  kb::scorer_stage<Policy, T> stage(in, drift_topk, p, block_bytes);
   for (auto _ : st) {
     stage.run(in, p);
     benchmark::DoNotOptimize(stage.rows.data());
@@ -108,6 +110,14 @@ template <class T>
 void BM_score_reconstruction(benchmark::State& st) {
   const std::int64_t L = st.range(0);
   run_scorer<kvevict::presets::restkv, T>(st, 0, lor_bytes(L, sizeof(T)), kb::lor_flops(L));
+}
+
+/// The same with score_block_bytes = 4 MiB: blocks of 8 window rows at L = 32k (4 passes over
+/// K), the block the default 16 MiB gives at 128k: what the bounded scratch costs there.
+template <class T>
+void BM_score_reconstruction_rows8(benchmark::State& st) {
+  const std::int64_t L = st.range(0);
+  run_scorer<kvevict::presets::restkv, T>(st, 0, lor_bytes(L, sizeof(T)), kb::lor_flops(L), std::size_t{4} << 20);
 }
 
 template <class T>
@@ -235,6 +245,8 @@ struct registrar {
     kb::register_seq("score_attention_weight/bf16", BM_score_attention_weight<bfloat16_t>, kb::kSeqLens);
     kb::register_seq("score_reconstruction/f32", BM_score_reconstruction<float>, kb::kSeqLensWith8k, iters_scorer);
     kb::register_seq("score_reconstruction/bf16", BM_score_reconstruction<bfloat16_t>, kb::kSeqLensWith8k, iters_scorer);
+    kb::register_seq("score_reconstruction_rows8/f32", BM_score_reconstruction_rows8<float>, {32768}, iters_scorer);
+    kb::register_seq("score_reconstruction_rows8/bf16", BM_score_reconstruction_rows8<bfloat16_t>, {32768}, iters_scorer);
     kb::register_seq("score_reconstruction_drift/f32", BM_score_reconstruction_drift<float>, kb::kSeqLens, iters_scorer);
     kb::register_seq("score_reconstruction_drift/bf16", BM_score_reconstruction_drift<bfloat16_t>, kb::kSeqLens, iters_scorer);
     kb::register_seq("smooth_avg_pool/f32", BM_smooth_avg_pool, kb::kSeqLens);

@@ -31,6 +31,11 @@ class workspace_carver {
     offset_ += count * sizeof(T);
     return p;
   }
+  /// The current offset, to carve a second set of buffers over the same bytes (rewind) when the
+  /// two sets are never used at the same time; then resume at the end of the larger (resume).
+  std::size_t mark() const { return offset_; }
+  void rewind(std::size_t m) { offset_ = m; }
+  void resume(std::size_t end) { offset_ = end > offset_ ? end : offset_; }
   /// Bytes used so far, rounded up to the alignment.
   std::size_t bytes() const { return (offset_ + alignment - 1) / alignment * alignment; }
 

@@ -6,8 +6,10 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "kvevict/core/numeric.hpp"
@@ -26,6 +28,13 @@ namespace cpu {
 /// Matrix products inside a head use Eigen (single-threaded inside the parallel region).
 struct backend {
   int num_threads = 0;
+  /// Bytes of per-thread scratch one block of window-attention logits may take (the scorers that
+  /// compute window attention hold the logits of a block of window rows of the whole GQA group
+  /// over all L keys). Below 32 rows x group x L x 4 bytes the block has fewer rows: less memory,
+  /// more passes over K at long contexts. The rest of the scoring scratch does not grow with L
+  /// beyond a few rows (docs/performance.md "Workspace"). Default 16 MiB: 32 rows per block up to
+  /// L = 32k at GQA group 4.
+  std::size_t score_block_bytes = std::size_t{16} << 20;
 };
 
 namespace detail {
@@ -101,11 +110,60 @@ inline float max_abs(const cmap_rm& m) {
   return mx;
 }
 
+/// Rows of a (rows x cols) matrix stored with any strides as T, read as fp32 a tile at a time:
+/// the scorers stream K and V through tiles instead of holding an fp32 copy of every token.
+/// Values are divided by 2^scale_exp when it is non-zero (an exact power-of-two rescale into a
+/// safe range, see scale_pow2), the same values a whole staged copy would hold.
+template <class T>
+struct row_source {
+  const T* base = nullptr;
+  std::int64_t row_stride = 0, col_stride = 1, cols = 0;
+  int scale_exp = 0;
+
+  /// Rows [r0, r0 + n) as an n x cols fp32 row-major matrix: zero-copy when T is float, the
+  /// column stride is 1 and no rescale applies; otherwise widened into buf (n * cols floats).
+  cmap_rm rows(std::int64_t r0, std::int64_t n, float* buf) const;
+  /// Element (r, c) as fp32 (rescaled as rows() does).
+  float at(std::int64_t r, std::int64_t c) const;
+};
+
 /// Saturate to the finite float range (NaN -> 0: callers guarantee NaN cannot arise).
 inline float saturate(double x) {
   if (!(x == x)) return 0.0f;
   const double m = 3.4028234663852886e38;
   return static_cast<float>(x > m ? m : (x < -m ? -m : x));
+}
+
+template <class T>
+cmap_rm row_source<T>::rows(std::int64_t r0, std::int64_t n, float* buf) const {
+  if constexpr (std::is_same<std::remove_const_t<T>, float>::value) {
+    if (scale_exp == 0 && col_stride == 1 && n > 0) return cmap_rm(base + r0 * row_stride, n, cols, Eigen::OuterStride<>(row_stride));
+  }
+  cmap_rm m = stage_rows(base + r0 * row_stride, n, cols, row_stride, col_stride, buf);
+  if (scale_exp != 0) {
+    if (m.data() != buf) map_rm(buf, n, cols, Eigen::OuterStride<>(cols)) = m;
+    const double f = std::ldexp(1.0, -scale_exp);
+    for (std::int64_t i = 0; i < n * cols; ++i) buf[i] = static_cast<float>(static_cast<double>(buf[i]) * f);
+    return cmap_rm(buf, n, cols, Eigen::OuterStride<>(cols));
+  }
+  return m;
+}
+
+template <class T>
+float row_source<T>::at(std::int64_t r, std::int64_t c) const {
+  const float x = to_float(base[r * row_stride + c * col_stride]);
+  return scale_exp == 0 ? x : static_cast<float>(static_cast<double>(x) * std::ldexp(1.0, -scale_exp));
+}
+
+/// Largest |x| over the first `rows` rows of a row_source's storage (its scale ignored).
+template <class T>
+inline float max_abs_rows(const row_source<T>& src, std::int64_t rows) {
+  float mx = 0.0f;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* p = src.base + r * src.row_stride;
+    for (std::int64_t c = 0; c < src.cols; ++c) mx = std::max(mx, std::fabs(to_float(p[c * src.col_stride])));
+  }
+  return mx;
 }
 
 }  // namespace detail

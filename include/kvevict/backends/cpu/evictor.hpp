@@ -69,6 +69,9 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   using api_base::run;
   /// CriticalKV: the scorer writes a secondary row (||v W_O^h||_1) that the selector reads.
   static constexpr bool has_secondary = FE::has_secondary;
+  /// The scorer computes a secondary row on its own (scorer_impl::secondary_row): the evictor
+  /// computes it per row where the selector reads it, and holds no secondary row per head.
+  static constexpr bool lazy_secondary = cpu::detail::lazy_secondary<has_secondary, Scorer>::value;
 
   explicit evictor(params_type p = Policy::defaults(), cpu::backend be = {}) : api_base(p), be_(be) {}
 
@@ -155,24 +158,26 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
           if (!any_row) return;
           const std::int64_t L = in.length(b, h);
           cpu::detail::head_job<Policy, T> job{&in, &p_, b, h, L, std::min<std::int64_t>(in.window(), L), 0};
+          job.rows_per_block = cpu::detail::block_rows(be_.score_block_bytes, Gq, L, job.w);
           if constexpr (Spatial::needs_attention_drift) {
             const auto& hp = buf.plans[b * H + h * Gout];
             job.drift_topk = std::max<std::int64_t>(1, hp.base_budget - job.w);
           }
           float* grows = buf.grows + static_cast<std::int64_t>(tid) * Gq * S;
           double* gdrift = buf.gdrift + static_cast<std::int64_t>(tid) * Gq;
-          float* grows2 = has_secondary ? buf.grows2 + static_cast<std::int64_t>(tid) * Gq * S : nullptr;
+          float* grows2 = (has_secondary && !lazy_secondary) ? buf.grows2 + static_cast<std::int64_t>(tid) * Gq * S : nullptr;
           std::fill(gdrift, gdrift + Gq, 0.0);  // a scorer that computes no drift leaves 0 (adaptive-window reads it)
           cpu::scorer_impl<Scorer>::template score<Policy, T>(job, buf.scratch[tid], grows, gdrift, grows2);
           const std::int64_t r0 = b * H + h * Gout;  // the KV head's first out row
-          if constexpr (has_secondary) cpu::detail::reduce_group_secondary(p_.gqa, grows2, Gq, Gout, L, S, buf.scores2 + r0 * S);
+          if constexpr (has_secondary && !lazy_secondary)
+            cpu::detail::reduce_group_secondary(p_.gqa, grows2, Gq, Gout, L, S, buf.scores2 + r0 * S);
           cpu::detail::reduce_group(p_.gqa, grows, gdrift, Gq, Gout, L, S, buf.scores + r0 * S, buf.drift + r0);
         });
         if (p_.gqa == gqa_reduction::layer_mean) {
           for (std::int64_t b = 0; b < B; ++b) {
             if (!buf.need[b * H]) continue;
-            cpu::detail::layer_mean_rows(buf.scores + b * H * S, buf.drift + b * H, has_secondary ? buf.scores2 + b * H * S : nullptr,
-                                         H, in.length(b, 0), S);
+            cpu::detail::layer_mean_rows(buf.scores + b * H * S, buf.drift + b * H,
+                                         (has_secondary && !lazy_secondary) ? buf.scores2 + b * H * S : nullptr, H, in.length(b, 0), S);
           }
         }
         cpu::detail::parallel_for_threads(nt, rows, [&](std::int64_t r, int tid) {
@@ -206,12 +211,44 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     if (total > out.capacity)
       return status::error(errc::insufficient_capacity, "selection.capacity = %lld < kept tokens = %lld (use max_selected())",
                            static_cast<long long>(out.capacity), static_cast<long long>(total));
+    if constexpr (lazy_secondary) {
+      // layer_mean: one secondary row per sequence, the fp64 mean of its heads' rows
+      if (p_.gqa == gqa_reduction::layer_mean) {
+        for (std::int64_t b = 0; b < B; ++b) {
+          if (!buf.need[b * H]) continue;
+          const std::int64_t L = in.length(b, 0);
+          double* acc = buf.u_acc;
+          std::fill(acc, acc + L, 0.0);
+          for (std::int64_t ho = 0; ho < H; ++ho) {
+            float* u = buf.u_row;
+            cpu::detail::head_scratch us = buf.u_scratch(0);
+            secondary_of_row(in, b, ho, Gq, Gout, L, S, buf.u_g, us, u);
+            for (std::int64_t n = 0; n < L; ++n) acc[n] += u[n];
+          }
+          float* u0 = buf.scores2 + b * S;
+          for (std::int64_t n = 0; n < L; ++n) u0[n] = static_cast<float>(acc[n] / static_cast<double>(H));
+        }
+      }
+    }
     cpu::detail::parallel_for_threads(nt, rows, [&](std::int64_t r, int tid) {
       const std::int64_t b = r / H, hk = (r % H) / Gout;
       std::int32_t* dst = out.indices + buf.offsets[r];
       const float* sc = (Scorer::has_scores && buf.need[r]) ? buf.scores + r * S : nullptr;
+      const float* sc2 = nullptr;
+      if constexpr (lazy_secondary) {
+        if (sc && p_.gqa == gqa_reduction::layer_mean) {
+          sc2 = buf.scores2 + b * S;
+        } else if (sc) {
+          float* u = buf.u_row + static_cast<std::int64_t>(tid) * S;
+          cpu::detail::head_scratch us = buf.u_scratch(tid);
+          secondary_of_row(in, b, r % H, Gq, Gout, in.length(b, hk), S, buf.u_g + static_cast<std::int64_t>(tid) * Gq * S, us, u);
+          sc2 = u;
+        }
+      } else if constexpr (has_secondary) {
+        sc2 = buf.scores2 + r * S;
+      }
       const std::int64_t n = cpu::selector_impl<Selector>::select(
-          p_.selector, buf.plans[r], buf.budgets[r], sc, has_secondary ? buf.scores2 + r * S : nullptr, dst,
+          p_.selector, buf.plans[r], buf.budgets[r], sc, sc2, dst,
           buf.idx + static_cast<std::int64_t>(tid) * S, has_secondary ? buf.tmp + static_cast<std::int64_t>(tid) * S : nullptr);
       if (out.positions) {
         for (std::int64_t i = 0; i < n; ++i)
@@ -258,11 +295,41 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     double* pre;
     std::int64_t* dq;
     std::int32_t* idx;
-    float* scores2;  ///< secondary rows (B * out_heads, S), scorers with secondary_scores only
+    float* scores2;  ///< secondary rows (B * out_heads, S), scorers with secondary_scores only;
+                     ///< lazy_secondary: one row per sequence (B, S), gqa = layer_mean only
     float* grows2;   ///< per-thread secondary rows of one GQA group (G, S)
+    float* u_row;    ///< lazy_secondary: per-thread secondary row of the row being selected (S)
+    float* u_g;      ///< lazy_secondary: per-thread secondary rows of its GQA group (G, S)
+    double* u_acc;   ///< lazy_secondary with layer_mean: the fp64 sum over heads (S)
+    float* u_v;      ///< lazy_secondary: per-thread value tile (value_norm_token_block x d)
+    float* u_w;      ///< lazy_secondary: per-thread W_O slice (C x d)
+    float* u_p;      ///< lazy_secondary: per-thread projected values (value_norm_token_block x C)
+    std::int64_t u_vn, u_wn, u_pn;  ///< their floats per thread
+    /// The scratch secondary_row needs on thread tid (head_scratch's vbuf, wbuf, pbuf).
+    cpu::detail::head_scratch u_scratch(int tid) const {
+      cpu::detail::head_scratch s;
+      s.vbuf = u_v + tid * u_vn;
+      s.wbuf = u_w + tid * u_wn;
+      s.pbuf = u_p + tid * u_pn;
+      return s;
+    }
     typename kvevict::detail::layer_scratch_of<Budgeter>::type layer;  ///< whole-layer budgeter's scratch
     cpu::detail::head_scratch scratch[cpu::detail::max_scratch_threads];
   };
+
+  /// lazy_secondary: the secondary row of out row ho of sequence b (L tokens) into u: the query
+  /// head's own row (Gout == Gq), or the group's rows (ug, Gq x L) reduced as reduce_group_secondary.
+  template <class T>
+  void secondary_of_row(const layer_inputs<T>& in, std::int64_t b, std::int64_t ho, std::int64_t Gq, std::int64_t Gout, std::int64_t L,
+                        std::int64_t S, float* ug, cpu::detail::head_scratch& s, float* u) const {
+    if (Gout == Gq) {
+      cpu::scorer_impl<Scorer>::secondary_row(in, b, ho, L, s, u);
+      return;
+    }
+    const std::int64_t hk = ho / Gout;
+    for (std::int64_t g = 0; g < Gq; ++g) cpu::scorer_impl<Scorer>::secondary_row(in, b, hk * Gq + g, L, s, ug + g * L);
+    cpu::detail::reduce_group_secondary(p_.gqa == gqa_reduction::layer_mean ? gqa_reduction::mean : p_.gqa, ug, Gq, 1, L, S, u);
+  }
 
   /// plan_options::num_threads resolved: the option, else the backend's, else OpenMP's; at most
   /// max_scratch_threads (the per-thread scratch of the workspace); 1 without OpenMP.
@@ -295,28 +362,62 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     buf.offsets = c.template carve<std::int64_t>(static_cast<std::size_t>(rows));
     buf.need = c.template carve<std::uint8_t>(static_cast<std::size_t>(rows));
     buf.drift = c.template carve<double>(static_cast<std::size_t>(rows));
-    buf.idx = c.template carve<std::int32_t>(static_cast<std::size_t>(nt * S));
     buf.layer = kvevict::detail::layer_scratch_of<Budgeter>::carve(c, p_.budgeter);
     if constexpr (Scorer::has_scores) {
       buf.scores = c.template carve<float>(static_cast<std::size_t>(rows * S));
-      buf.grows = c.template carve<float>(static_cast<std::size_t>(nt * Gq * S));
-      buf.gdrift = c.template carve<double>(static_cast<std::size_t>(nt * Gq));
-      buf.tmp = c.template carve<float>(static_cast<std::size_t>(nt * S));
-      buf.pre = c.template carve<double>(static_cast<std::size_t>(nt * (S + 1)));
-      buf.dq = c.template carve<std::int64_t>(static_cast<std::size_t>(nt * S));
-      // The per-head scratch (O(S d G) floats) only for the threads the scoring loop can use:
-      // it runs over B * kv_heads tasks, so at most that many threads exist there.
-      const std::int64_t nt_heads = std::min<std::int64_t>(nt, std::max<std::int64_t>(B * in.kv_heads(), 1));
-      const bool full_y = cpu::scorer_impl<Scorer>::full_projection(p_.scorer);
-      for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve(c, S, in.window(), in.head_dim(), Gq, full_y);
-      if constexpr (has_secondary) {
+      if constexpr (lazy_secondary) {
+        // one row per sequence (layer_mean) and its fp64 sum; the per-row rows are per thread below
+        const bool lm = p_.gqa == gqa_reduction::layer_mean;
+        buf.scores2 = c.template carve<float>(lm ? static_cast<std::size_t>(B * S) : 0);
+        buf.u_acc = c.template carve<double>(lm ? static_cast<std::size_t>(S) : 0);
+      } else if constexpr (has_secondary) {
         buf.scores2 = c.template carve<float>(static_cast<std::size_t>(rows * S));
-        buf.grows2 = c.template carve<float>(static_cast<std::size_t>(nt * Gq * S));
       }
+      buf.gdrift = c.template carve<double>(static_cast<std::size_t>(nt * Gq));
+      // The per-thread scratch of the three phases shares the same bytes (run() never uses two
+      // phases at once): scoring (the query-head rows of one GQA group and the per-head scratch,
+      // head_scratch, whose logits block is bounded by the backend's score_block_bytes), then
+      // smoothing (tmp, pre, dq), then selection (idx, tmp).
+      const std::size_t start = c.mark();
+      // The per-head scratch only for the threads the scoring loop can use: it runs over
+      // B * kv_heads tasks, so at most that many threads exist there.
+      const std::int64_t nt_heads = std::min<std::int64_t>(nt, std::max<std::int64_t>(B * in.kv_heads(), 1));
+      buf.grows = c.template carve<float>(static_cast<std::size_t>(nt_heads * Gq * S));
+      if constexpr (has_secondary && !lazy_secondary) buf.grows2 = c.template carve<float>(static_cast<std::size_t>(nt_heads * Gq * S));
+      const bool full_y = cpu::scorer_impl<Scorer>::full_projection(p_.scorer);
+      cpu::detail::head_scratch::options so;
+      so.full_y = full_y;
+      so.block_bytes = be_.score_block_bytes;
+      so.full_kv = cpu::scorer_impl<Scorer>::full_kv();
+      so.all_queries = cpu::scorer_impl<Scorer>::all_queries();
+      so.rows_max = cpu::scorer_impl<Scorer>::block_rows_max(in.window());
+      so.drift_row = Spatial::needs_attention_drift;
+      for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve(c, S, in.window(), in.head_dim(), Gq, so);
       if constexpr (cpu::scorer_impl<Scorer>::hidden_projection) {
         const std::int64_t C = in.wo.data ? in.wo.extent[0] : 0;
         for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve_projection(c, C, in.head_dim());
       }
+      const std::size_t scoring_end = c.mark();
+      c.rewind(start);
+      buf.tmp = c.template carve<float>(static_cast<std::size_t>(nt * S));
+      buf.pre = c.template carve<double>(static_cast<std::size_t>(nt * (S + 1)));
+      buf.dq = c.template carve<std::int64_t>(static_cast<std::size_t>(nt * S));
+      buf.idx = c.template carve<std::int32_t>(static_cast<std::size_t>(nt * S));
+      if constexpr (lazy_secondary) {
+        // selection computes each row's secondary row: its group's rows, value tiles, W_O slice
+        buf.u_row = c.template carve<float>(static_cast<std::size_t>(nt * S));
+        buf.u_g = c.template carve<float>(static_cast<std::size_t>(nt * Gq * S));
+        const std::int64_t C = std::max<std::int64_t>(in.wo.data ? in.wo.extent[0] : 0, 1), d = std::max<std::int64_t>(in.head_dim(), 1);
+        buf.u_vn = cpu::detail::value_norm_token_block * d;
+        buf.u_wn = C * d;
+        buf.u_pn = cpu::detail::value_norm_token_block * C;
+        buf.u_v = c.template carve<float>(static_cast<std::size_t>(nt * buf.u_vn));
+        buf.u_w = c.template carve<float>(static_cast<std::size_t>(nt * buf.u_wn));
+        buf.u_p = c.template carve<float>(static_cast<std::size_t>(nt * buf.u_pn));
+      }
+      c.resume(scoring_end);
+    } else {
+      buf.idx = c.template carve<std::int32_t>(static_cast<std::size_t>(nt * S));
     }
     return buf;
   }

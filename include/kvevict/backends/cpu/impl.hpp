@@ -41,6 +41,10 @@ struct head_job {
   std::int64_t L;           ///< valid tokens
   std::int64_t w;           ///< effective window rows min(W, L)
   std::int64_t drift_topk;  ///< K for the adaptive-window drift (<= 0: not needed)
+  /// Window rows per block of the window loop (detail::block_rows of the backend's
+  /// score_block_bytes; the evictor sets it, and carves head_scratch for the same bytes).
+  /// The default, attention_row_block, goes with head_scratch::carve's default.
+  std::int64_t rows_per_block = 32;
 };
 }  // namespace detail
 
@@ -55,6 +59,8 @@ struct head_job {
 ///   static bool full_projection(const params&)   the scratch holds the value projections of
 ///                                                every token (head_scratch::carve full_y)
 ///   static constexpr bool hidden_projection      the scratch holds a W_O slice (carve_projection)
+///   static constexpr bool full_kv()              the scratch holds fp32 copies of all L keys and
+///                                                values (head_scorer; otherwise tiles of them)
 ///   template <class T> static status check_layer(const params&, const layer_inputs<T>&)
 ///                                                plan-time check against the layer's shapes
 /// head_scorer<Impl> (backends/cpu/scorers/head_scorer.hpp) turns a simple per-head function on
@@ -69,6 +75,22 @@ struct scorer_impl {
                 "scorer list, kvevict/backends/cpu/scorers.hpp");
 };
 
+namespace detail {
+/// scorer_impl<Scorer> computes a secondary row on its own:
+///   template <class T> static void secondary_row(const layer_inputs<T>&, int64 b, int64 hq, int64 L,
+///                                                detail::head_scratch&, float* u /* L */);
+/// (a scorer with secondary_scores that has it gets rows2 = nullptr in score()).
+template <class Scorer, class = void>
+struct has_secondary_row : std::false_type {};
+template <class Scorer>
+struct has_secondary_row<Scorer, std::void_t<decltype(&scorer_impl<Scorer>::template secondary_row<float>)>> : std::true_type {};
+/// has_secondary_row, asked only of scorers with secondary_scores (Has).
+template <bool Has, class Scorer>
+struct lazy_secondary : std::false_type {};
+template <class Scorer>
+struct lazy_secondary<true, Scorer> : has_secondary_row<Scorer> {};
+}  // namespace detail
+
 /// Defaults of the optional members of a scorer_impl.
 struct scorer_impl_base {
   template <class P>
@@ -76,6 +98,16 @@ struct scorer_impl_base {
     return false;
   }
   static constexpr bool hidden_projection = false;
+  /// The scratch holds fp32 copies of all L keys and values (head_scratch::carve full_kv): only
+  /// head_scorer over an Impl that is not per_token.
+  static constexpr bool full_kv() { return false; }
+  /// The scratch holds all w window rows of the group's queries in fp32 (head_scorer); otherwise
+  /// one block of them.
+  static constexpr bool all_queries() { return false; }
+  /// The most window rows one block of this scorer's window loop holds (the logits block of
+  /// head_scratch): every row of the window, up to attention_row_block; 0 for a scorer that
+  /// computes no window attention (head_scorer, key_norm), 1 for TOVA's last row.
+  static constexpr std::int64_t block_rows_max(std::int64_t w) { return w < 32 ? (w > 1 ? w : 1) : 32; }
   template <class P, class T>
   static status check_layer(const P&, const layer_inputs<T>&) {
     return {};

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -22,6 +23,31 @@ inline constexpr std::int64_t attention_row_block = 32;
 /// 512 KiB for a block of 4 x 32 rows) are still in L2 when their maximum is taken.
 inline constexpr std::int64_t attention_key_tile = 1024;
 
+/// Window rows per block of the window loop for L keys and a GQA group of G query heads: as many
+/// as keep the block's logits (max(G, 2) x rows x L floats; the reconstruction scorer's exact
+/// limit reads one head's logits and weights side by side) within block_bytes, between 1 and
+/// attention_row_block (and the window). The blocks' rows do not change what is computed, only
+/// how many passes over K it takes (and, for the temporal aggregate, how partial sums group).
+inline std::int64_t block_rows(std::size_t block_bytes, std::int64_t G, std::int64_t L, std::int64_t w) {
+  const std::int64_t cap = std::min(attention_row_block, std::max<std::int64_t>(w, 1));
+  if (L <= 0) return cap;
+  const std::size_t per_row = static_cast<std::size_t>(std::max<std::int64_t>(G, 2)) * static_cast<std::size_t>(L) * sizeof(float);
+  const std::size_t fit = block_bytes / per_row;
+  return std::max<std::int64_t>(1, std::min<std::int64_t>(cap, static_cast<std::int64_t>(std::min<std::size_t>(fit, 1u << 20))));
+}
+
+/// Floats of the logits buffer that holds a block of min(rows_max, block_rows(block_bytes, G, L,
+/// w)) rows for every L <= cap (max(G, 2) x rows x L, the most over L; 0 when rows_max is 0).
+inline std::size_t block_logits_floats(std::size_t block_bytes, std::int64_t G, std::int64_t cap, std::int64_t rows_max) {
+  if (rows_max <= 0) return 0;
+  const std::size_t g2 = static_cast<std::size_t>(std::max<std::int64_t>(G, 2));
+  const std::size_t n = static_cast<std::size_t>(std::max<std::int64_t>(cap, 0));
+  const std::size_t rmax = static_cast<std::size_t>(std::min(attention_row_block, rows_max));
+  // rows(L) x L <= max(L, min(rmax L, block_bytes / (g2 4))) for every L, largest at L = cap
+  const std::size_t fit = block_bytes / (g2 * sizeof(float));
+  return g2 * std::max(n, std::min(rmax * n, fit));
+}
+
 /// Softmax entries exponentiated and summed together (a chunk stays in L1 between the two).
 inline constexpr std::int64_t softmax_chunk = 1024;
 
@@ -37,6 +63,23 @@ inline std::int64_t first_equal(const float* x, std::int64_t n, float v) {
   }
   return n;
 }
+
+/// attention_block's key source over an fp32 matrix (L x d) held in memory.
+struct matrix_keys {
+  const cmap_rm& m;
+  cmap_rm tile(std::int64_t n0, std::int64_t nt) const { return cmap_rm(m.data() + n0 * m.outerStride(), nt, m.cols(), Eigen::OuterStride<>(m.outerStride())); }
+  float at(std::int64_t n, std::int64_t c) const { return m(n, c); }
+};
+
+/// attention_block's key source over a row_source: each tile is staged into buf (at most
+/// attention_key_tile x d floats) unless it can be read in place.
+template <class T>
+struct key_tiles {
+  const row_source<T>& src;
+  float* buf;
+  cmap_rm tile(std::int64_t n0, std::int64_t nt) const { return src.rows(n0, nt, buf); }
+  float at(std::int64_t n, std::int64_t c) const { return src.at(n, c); }
+};
 
 /// Per-row softmax statistics of a block, for the exact paths of the reconstruction score.
 struct row_stats {
@@ -59,7 +102,12 @@ struct row_stats {
 /// argmax) and skips a pass over them: the probability is fl(e_jm * st.inv_z[r]), bit for bit
 /// what normalize = true stores. probs may be the logits buffer itself (softmax in place; the
 /// logits are then lost).
-inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, std::int64_t w, std::int64_t j0,
+/// Keys: the key source, an object with `cmap_rm tile(n0, nt)` (keys [n0, n0 + nt) as fp32 rows;
+/// the view may be invalidated by the next call) and `float at(n, c)`: key_tiles over a
+/// row_source (the scorers: K is staged one tile of attention_key_tile keys at a time, never as a
+/// whole) or matrix_keys over an fp32 matrix.
+template <class Keys>
+inline void attention_block(const cmap_rm& q, const Keys& k, std::int64_t L, std::int64_t w, std::int64_t j0,
                             std::int64_t rph, float scale, float* logits, float* probs, const row_stats& st,
                             bool normalize = true) {
   const std::int64_t rb = q.rows();
@@ -76,7 +124,7 @@ inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, 
   for (std::int64_t n0 = 0; n0 < L; n0 += attention_key_tile) {
     const std::int64_t nt = std::min(attention_key_tile, L - n0);
     map_rm lg(logits + n0, rb, nt, Eigen::OuterStride<>(L));
-    lg.noalias() = scale * (q * k.middleRows(n0, nt).transpose());
+    lg.noalias() = scale * (q * k.tile(n0, nt).transpose());
     for (std::int64_t r = 0; r < rb; ++r) {
       const std::int64_t vis = L - w + j0 + r % rph + 1;  // visible keys [0, vis)
       const std::int64_t m = std::min(nt, vis - n0);
@@ -96,7 +144,7 @@ inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, 
     if (!(st.z_other[r] == 0.0)) {  // an inf or NaN logit: fp64 recompute, stored relative to the row max
       auto dot = [&](std::int64_t n) {
         double acc = 0.0;
-        for (Eigen::Index c = 0; c < q.cols(); ++c) acc += static_cast<double>(q(r, c)) * static_cast<double>(k(n, c));
+        for (Eigen::Index c = 0; c < q.cols(); ++c) acc += static_cast<double>(q(r, c)) * static_cast<double>(k.at(n, c));
         return acc * scale;
       };
       double dmx = -std::numeric_limits<double>::infinity();
@@ -134,6 +182,13 @@ inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, 
     st.arg[r] = static_cast<std::int32_t>(am);
     st.inv_z[r] = inv;
   }
+}
+
+/// attention_block over an fp32 matrix of keys (tests and benchmarks).
+inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, std::int64_t w, std::int64_t j0,
+                            std::int64_t rph, float scale, float* logits, float* probs, const row_stats& st,
+                            bool normalize = true) {
+  attention_block(q, matrix_keys{k}, L, w, j0, rph, scale, logits, probs, st, normalize);
 }
 
 /// Order-preserving key of a float: a < b  <=>  sortable_key(a) < sortable_key(b) for non-NaN

@@ -17,14 +17,15 @@ namespace detail {
 
 /// CriticalKV's secondary score of query head hq (scorers::attention_value_norm):
 ///   u[n] = || v_n W_O^hq ||_1 = sum_{c < C} | sum_{i < d} wo(c, hq d + i) v_n[i] |,  n < L.
-/// V: the head's L x d values in fp32, already divided by 2^vexp (vexp from safe_exponent, so the
-/// products cannot overflow). The W_O slice (C x d) is widened to fp32 into s.wbuf and scaled
+/// V: the head's values (L rows of d), read through a row_source that divides them by 2^vexp
+/// (vexp = V.scale_exp from safe_exponent, so the products cannot overflow), a block at a time. The W_O slice (C x d) is widened to fp32 into s.wbuf and scaled
 /// the same way; the projection runs as fp32 GEMMs of value_norm_token_block tokens into s.pbuf,
 /// |y_c| is summed in fp64, then multiplied back by 2^(vexp + wexp) and saturated to FLT_MAX.
 template <class T>
-inline void value_l1_norms(const layer_inputs<T>& in, std::int64_t hq, const cmap_rm& V, int vexp, head_scratch& s,
+inline void value_l1_norms(const layer_inputs<T>& in, std::int64_t hq, const row_source<T>& V, std::int64_t L, head_scratch& s,
                            float* u) {
-  const std::int64_t L = V.rows(), d = V.cols(), C = in.wo.extent[0];
+  const std::int64_t d = V.cols, C = in.wo.extent[0];
+  const int vexp = V.scale_exp;
   float wmax = 0.0f;
   for (std::int64_t c = 0; c < C; ++c)
     for (std::int64_t i = 0; i < d; ++i) {
@@ -39,7 +40,7 @@ inline void value_l1_norms(const layer_inputs<T>& in, std::int64_t hq, const cma
   for (std::int64_t n0 = 0; n0 < L; n0 += value_norm_token_block) {
     const std::int64_t nb = std::min(value_norm_token_block, L - n0);
     map_rm Y(s.pbuf, nb, C, Eigen::OuterStride<>(C));
-    Y.noalias() = V.middleRows(n0, nb) * W.transpose();
+    Y.noalias() = V.rows(n0, nb, s.vbuf) * W.transpose();
     for (std::int64_t t = 0; t < nb; ++t) {
       const float* y = s.pbuf + t * C;
       double acc = 0.0;
@@ -57,25 +58,30 @@ struct scorer_impl<scorers::attention_value_norm> : detail::window_scorer<scorer
   /// The scratch holds a W_O slice and a block of projected values (head_scratch::carve_projection).
   static constexpr bool hidden_projection = true;
 
-  /// The head's values, rescaled by 2^-vexp into a safe range, for value_l1_norms.
+  /// The head's values are read rescaled by 2^-vexp into a safe range, for value_l1_norms.
   template <class Ctx>
-  static void prepare(Ctx& c, detail::head_scratch& s) {
-    using namespace detail;
-    const auto& in = c.in;
-    const auto* vbase = in.values.data + c.b * in.values.stride[0] + c.h * in.values.stride[1];
-    new (&c.V) cmap_rm(stage_rows(vbase, c.L, c.d, in.values.stride[2], in.values.stride[3], s.vbuf));
-    c.vexp = safe_exponent(max_abs(c.V));
-    if (c.vexp != 0) {
-      map_rm vs(s.vbuf, c.L, c.d, Eigen::OuterStride<>(c.d));
-      if (c.V.data() != s.vbuf) vs = c.V;
-      scale_pow2(s.vbuf, c.L * c.d, -c.vexp);
-      new (&c.V) cmap_rm(s.vbuf, c.L, c.d, Eigen::OuterStride<>(c.d));
-    }
+  static void prepare(Ctx& c, detail::head_scratch&) {
+    c.vexp = detail::safe_exponent(detail::max_abs_rows(c.vsrc, c.L));
+    c.vsrc.scale_exp = c.vexp;
   }
   template <class Ctx>
   static void finish_head(Ctx& c, detail::head_scratch& s, std::int64_t g, float* out, float* rows2) {
     for (std::int64_t n = 0; n < c.L; ++n) out[n] = detail::saturate(out[n]);
-    detail::value_l1_norms(c.in, c.h * c.G + g, c.V, c.vexp, s, rows2 + g * c.L);
+    if (rows2) detail::value_l1_norms(c.in, c.h * c.G + g, c.vsrc, c.L, s, rows2 + g * c.L);
+  }
+
+  /// The secondary row of query head hq of sequence b (its first L tokens) on its own, for the
+  /// evictor to compute it where the selector reads it instead of holding every head's row
+  /// (rows2 = nullptr in score()). s needs vbuf (value_norm_token_block x d floats) and the
+  /// projection scratch (carve_projection). Bit for bit what score() writes to rows2.
+  template <class T>
+  static void secondary_row(const layer_inputs<T>& in, std::int64_t b, std::int64_t hq, std::int64_t L, detail::head_scratch& s,
+                            float* u) {
+    const std::int64_t h = hq / in.group_size();
+    detail::row_source<T> v{in.values.data + b * in.values.stride[0] + h * in.values.stride[1], in.values.stride[2],
+                            in.values.stride[3], in.head_dim()};
+    v.scale_exp = detail::safe_exponent(detail::max_abs_rows(v, L));
+    detail::value_l1_norms(in, hq, v, L, s, u);
   }
 };
 

@@ -20,11 +20,12 @@ namespace kvevict {
 namespace cpu {
 
 /// What a user-defined CPU scorer sees for one (sequence, KV head): fp32 row-major copies of
-/// the head's first L keys and values (L x head_dim) and of its group's window queries
-/// (G x w x head_dim, may be empty when the policy has no window). Plain pointers, no Eigen.
+/// the head's first L keys and values (L x head_dim; for a per_token scorer, a tile of them:
+/// see head_scorer) and of its group's window queries (G x w x head_dim, may be empty when the
+/// policy has no window). Plain pointers, no Eigen.
 struct head_inputs {
   std::int64_t batch_index = 0, kv_head = 0;
-  std::int64_t length = 0;     ///< L
+  std::int64_t length = 0;     ///< L (a per_token scorer: the tile's tokens)
   std::int64_t head_dim = 0;   ///< d
   std::int64_t group_size = 0; ///< G
   std::int64_t window = 0;     ///< w rows per query head (0 if no queries)
@@ -44,6 +45,10 @@ namespace detail {
 /// (lor_token_tile x G d floats, 512 KiB for G = 4, d = 128) stay in the core's L2 cache between
 /// the GEMM that writes them and the distance pass that reads them.
 inline constexpr std::int64_t lor_token_tile = 256;
+
+/// Tokens per staged tile of values (the fp32 copy of value_tile x d floats the scorers read V
+/// through; K is staged by attention_key_tile keys).
+inline constexpr std::int64_t value_tile = attention_key_tile;
 
 /// ||a - b||^2 of two d-vectors, fp32 differences with squares summed in fp64 (the squares
 /// neither overflow nor underflow; a difference of two finite fp32 values beyond FLT_MAX
@@ -81,20 +86,25 @@ inline float sq_dist_f32(const float* a, const float* b, std::int64_t d) {
 }
 
 /// Per-thread scratch for scoring one KV head with up to `cap` tokens, window `w`, dim `d`.
+/// Only drift's row (rowtmp) grows with the context in every mode; the logits of a block of window
+/// rows take block_logits_floats (bounded by the backend's score_block_bytes beyond one row per
+/// head); K and V are read a tile at a time, except where noted (full_kv, full_y).
 struct head_scratch {
-  float* kbuf = nullptr;   // cap x d
-  float* vbuf = nullptr;   // cap x d
+  float* kbuf = nullptr;   // min(cap, attention_key_tile) x d (full_kv: cap x d)
+  float* vbuf = nullptr;   // min(cap, max(value_tile, lor_token_tile)) x d (full_kv or full_y: cap x d)
   float* ybuf = nullptr;   // "before" mode: cap x (G d) (V [R_1 .. R_G]^T, one GEMM per GQA
                            // group); "after" mode: lor_token_tile x (G d), one token tile
   float* rzs = nullptr;    // G x d ("after" mode: R_g z_g of every query head of the group)
   float* adom = nullptr;   // G     ("after" mode: a_bar of each head's dominant token)
   std::int64_t* dom = nullptr;  // G
-  float* qbuf = nullptr;   // G * w x d (staged queries)
-  float* logits = nullptr; // G rb x cap (a block of window rows of the whole GQA group; the
-                           // softmax weights in place, except in "before" mode)
-  float* probs = nullptr;  // "before" mode: G rb x cap probabilities; otherwise rb x cap (phase 3)
-  float* cross = nullptr;  // rb x cap  ("before" mode only: one head's cross products)
-  float* rowtmp = nullptr; // cap
+  float* qbuf = nullptr;   // G rb x d (one block of staged queries; all_queries: G w x d)
+  float* logits = nullptr; // block_logits_floats: max(G, 2) rb x L for a block of rb window rows
+                           // of the whole GQA group (the softmax weights in place, except in
+                           // "before" mode); the reconstruction scorer's exact limit uses rows
+                           // [0, rb) for one head's logits and [rb, 2 rb) for its weights
+  float* probs = nullptr;  // "before" mode: G rb x L probabilities (else empty)
+  float* cross = nullptr;  // rb x L ("before" mode only: one head's cross products)
+  float* rowtmp = nullptr; // cap (adaptive-window drift: one attention row's top-K)
   float* st_max = nullptr;      // G rb (row statistics of one block, attention_block)
   double* st_zo = nullptr;      // G rb
   std::int32_t* st_arg = nullptr;  // G rb
@@ -104,27 +114,63 @@ struct head_scratch {
   float* wbuf = nullptr;        // C x d   (W_O^h staged, attention_value_norm only)
   float* pbuf = nullptr;        // value_norm_token_block x C (projected values of a token block)
 
-  /// full_y: the value projections of all `cap` tokens are held at once (the reconstruction
-  /// scorer's "before" mode); otherwise one tile of lor_token_tile tokens.
+  /// What the scorer's scratch must hold beyond its tiles (the defaults hold everything, as a
+  /// scorer written before the tiles expects).
+  struct options {
+    /// The value projections of all `cap` tokens at once, with the values (the reconstruction
+    /// scorer's "before" mode); otherwise one tile of lor_token_tile tokens.
+    bool full_y = true;
+    /// The backend's score_block_bytes: head_job::rows_per_block must be block_rows(block_bytes,
+    /// G, L, w) or less. The default keeps blocks of attention_row_block rows at every length.
+    std::size_t block_bytes = ~std::size_t{0};
+    /// fp32 copies of all `cap` keys and values (scorer_impl::full_kv(): head_scorer's whole-head form).
+    bool full_kv = true;
+    /// The G w window rows of queries (scorer_impl::all_queries(), head_scorer); else one block.
+    bool all_queries = true;
+    /// The most window rows one block holds (scorer_impl::block_rows_max(w): 0 without window
+    /// attention, 1 for TOVA's last row; < 0: min(w, attention_row_block)).
+    std::int64_t rows_max = -1;
+    /// One row of `cap` floats for the adaptive-window drift (spatial needs_attention_drift).
+    bool drift_row = true;
+  };
+
+  /// The scratch of a scorer that holds everything but the value projections of every token
+  /// when full_y is false (the form before options existed).
   template <class Carver>
   void carve(Carver& c, std::int64_t cap, std::int64_t w, std::int64_t d, std::int64_t G, bool full_y = true) {
-    // Rows of one window block: attention_row_block, or the whole window when it is smaller.
-    const std::int64_t rb = std::min(attention_row_block, std::max<std::int64_t>(w, 1));
-    const std::size_t n = static_cast<std::size_t>(cap);
+    options o;
+    o.full_y = full_y;
+    carve(c, cap, w, d, G, o);
+  }
+
+  template <class Carver>
+  void carve(Carver& c, std::int64_t cap, std::int64_t w, std::int64_t d, std::int64_t G, const options& o) {
+    const bool full_y = o.full_y, full_kv = o.full_kv, all_queries = o.all_queries;
+    const std::size_t block_bytes = o.block_bytes;
+    const std::int64_t rows_max = o.rows_max;
+    const std::size_t n = static_cast<std::size_t>(std::max<std::int64_t>(cap, 0));
     const std::size_t g1 = static_cast<std::size_t>(std::max<std::int64_t>(G, 1));
-    kbuf = c.template carve<float>(n * d);
-    vbuf = c.template carve<float>(n * d);
-    ybuf = c.template carve<float>((full_y ? n : std::min<std::size_t>(n, lor_token_tile)) * d * g1);
-    rzs = c.template carve<float>(g1 * static_cast<std::size_t>(d));
+    const std::size_t dd = static_cast<std::size_t>(std::max<std::int64_t>(d, 1));
+    const std::int64_t rall = std::min(attention_row_block, std::max<std::int64_t>(w, 1));
+    const std::int64_t rmax = rows_max < 0 ? rall : std::min(rows_max, rall);
+    // rows x L of one head at the block size the bytes allow (the most over L <= cap)
+    const std::size_t lg = block_logits_floats(block_bytes, G, cap, rmax);
+    const std::size_t rowsL = lg / std::max<std::size_t>(g1, 2);
+    const std::size_t vt = static_cast<std::size_t>(std::max(value_tile, lor_token_tile));
+    const std::size_t n1 = std::max<std::size_t>(n, 1);
+    kbuf = c.template carve<float>((full_kv ? n1 : std::min<std::size_t>(n1, attention_key_tile)) * dd);
+    vbuf = c.template carve<float>((full_kv || full_y ? n1 : std::min(n1, vt)) * dd);
+    ybuf = c.template carve<float>((full_y ? n : std::min<std::size_t>(n, lor_token_tile)) * dd * g1);
+    rzs = c.template carve<float>(g1 * dd);
     adom = c.template carve<float>(g1);
     dom = c.template carve<std::int64_t>(g1);
-    qbuf = c.template carve<float>(static_cast<std::size_t>(G * std::max<std::int64_t>(w, 1) * d));
-    logits = c.template carve<float>(g1 * rb * n);
-    probs = c.template carve<float>((full_y ? g1 : 1) * rb * n);  // "before": the group's; else phase 3's (one head)
-    cross = c.template carve<float>(full_y ? rb * n : 0);  // "before" mode only
-    rowtmp = c.template carve<float>(n);
+    qbuf = c.template carve<float>(static_cast<std::size_t>(G * (all_queries ? std::max<std::int64_t>(w, 1) : std::max<std::int64_t>(rmax, 1))) * dd);
+    logits = c.template carve<float>(lg);
+    probs = c.template carve<float>(full_y ? g1 * rowsL : 0);  // "before": the group's probabilities
+    cross = c.template carve<float>(full_y ? rowsL : 0);       // "before" mode only
+    rowtmp = c.template carve<float>(o.drift_row ? n : 0);
     const std::size_t ws = static_cast<std::size_t>(std::max<std::int64_t>(w, 1));
-    const std::size_t sb = g1 * static_cast<std::size_t>(rb);
+    const std::size_t sb = g1 * static_cast<std::size_t>(std::max<std::int64_t>(rmax, 1));
     st_max = c.template carve<float>(sb);
     st_zo = c.template carve<double>(sb);
     st_arg = c.template carve<std::int32_t>(sb);

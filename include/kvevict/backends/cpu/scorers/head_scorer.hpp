@@ -3,6 +3,12 @@
 // (sequence, KV head) as fp32 row-major copies (cpu::head_inputs) and calls
 //   Impl::score_head(const typename Scorer::params&, const cpu::head_inputs&, float* out /* L */);
 // the row is saturated to the finite fp32 range and given to every query head of the GQA group.
+// Memory: the copies take 2 L d floats per thread (the whole head), unless Impl declares
+//   static constexpr bool per_token = true;
+// (each token's score depends on that token's key and value only, as learned_mlp's and the
+// value_norm example's do): score_head is then called on tiles of attention_key_tile tokens
+// (head_inputs::length = the tile's tokens, keys/values the tile's rows, queries as usual) and
+// the copies take 2 x attention_key_tile x d floats whatever L.
 // A user's scorer specialises cpu::scorer_impl<Scorer> as `: cpu::head_scorer<its impl>` (see
 // examples/custom_policy.cpp); a scorer with the legacy hook S::score_kv_head(params,
 // cpu::head_inputs, float*) is served the same way without a specialisation.
@@ -37,8 +43,23 @@ struct has_check_layer<S, std::void_t<decltype(S::check_layer(std::declval<const
 /// See the file comment. Adds no drift (a head_scorer computes no window attention: a policy
 /// that pairs it with spatial::adaptive_window fails to compile unless the scorer declares
 /// window_attention, and then gets drift 0).
+namespace detail {
+template <class Impl, class = void>
+struct is_per_token : std::false_type {};
+template <class Impl>
+struct is_per_token<Impl, std::enable_if_t<Impl::per_token>> : std::true_type {};
+}  // namespace detail
+
 template <class Impl>
 struct head_scorer : scorer_impl_base {
+  /// The scratch holds fp32 copies of all L keys and values (head_scratch::carve full_kv),
+  /// unless Impl scores tokens one by one (per_token).
+  static constexpr bool full_kv() { return !detail::is_per_token<Impl>::value; }
+  /// head_inputs::queries holds the whole window of the group.
+  static constexpr bool all_queries() { return true; }
+  /// No window attention: no logits block.
+  static constexpr std::int64_t block_rows_max(std::int64_t) { return 0; }
+
   template <class Policy, class T>
   static void score(const detail::head_job<Policy, T>& job, detail::head_scratch& s, float* rows /* G x L */, double* drift /* G */,
                     float* /*rows2*/ = nullptr) {
@@ -47,8 +68,6 @@ struct head_scorer : scorer_impl_base {
     const auto& P = *job.p;
     const std::int64_t L = job.L, d = in.head_dim(), b = job.b, h = job.h;
     const std::int64_t G = in.queries.data ? in.group_size() : 1;
-    const T* kbase = in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1];
-    cmap_rm K = stage_rows(kbase, L, d, in.keys.stride[2], in.keys.stride[3], s.kbuf);
     head_inputs hi;
     hi.batch_index = b;
     hi.kv_head = h;
@@ -57,18 +76,6 @@ struct head_scorer : scorer_impl_base {
     hi.group_size = G;
     hi.window = in.queries.data ? job.w : 0;
     hi.layer_idx = in.layer_idx;
-    // hooks get contiguous copies
-    if (K.data() != s.kbuf) {
-      for (std::int64_t r = 0; r < L; ++r)
-        for (std::int64_t c = 0; c < d; ++c) s.kbuf[r * d + c] = K(r, c);
-    }
-    hi.keys = s.kbuf;
-    if (in.values.data) {
-      const T* vb = in.values.data + b * in.values.stride[0] + h * in.values.stride[1];
-      for (std::int64_t r = 0; r < L; ++r)
-        for (std::int64_t c = 0; c < d; ++c) s.vbuf[r * d + c] = to_float(vb[r * in.values.stride[2] + c * in.values.stride[3]]);
-      hi.values = s.vbuf;
-    }
     if (in.queries.data) {
       for (std::int64_t g = 0; g < G; ++g)
         for (std::int64_t j = 0; j < job.w; ++j) {
@@ -82,7 +89,27 @@ struct head_scorer : scorer_impl_base {
         hi.temporal_weights = s.st_c;
       }
     }
-    Impl::score_head(P.scorer, hi, rows);
+    // Contiguous fp32 copies of the keys and values: all L tokens at once, or tile by tile for a
+    // per_token Impl.
+    const T* kbase = in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1];
+    const T* vbase = in.values.data ? in.values.data + b * in.values.stride[0] + h * in.values.stride[1] : nullptr;
+    const std::int64_t tile = full_kv() ? std::max<std::int64_t>(L, 1) : attention_key_tile;
+    for (std::int64_t n0 = 0; n0 < L || n0 == 0; n0 += tile) {
+      const std::int64_t nt = std::min(tile, L - n0);
+      for (std::int64_t r = 0; r < nt; ++r)
+        for (std::int64_t c = 0; c < d; ++c)
+          s.kbuf[r * d + c] = to_float(kbase[(n0 + r) * in.keys.stride[2] + c * in.keys.stride[3]]);
+      hi.keys = s.kbuf;
+      if (vbase) {
+        for (std::int64_t r = 0; r < nt; ++r)
+          for (std::int64_t c = 0; c < d; ++c)
+            s.vbuf[r * d + c] = to_float(vbase[(n0 + r) * in.values.stride[2] + c * in.values.stride[3]]);
+        hi.values = s.vbuf;
+      }
+      hi.length = nt;
+      Impl::score_head(P.scorer, hi, rows + n0);
+      if (L == 0) break;
+    }
     for (std::int64_t n = 0; n < L; ++n) rows[n] = saturate(rows[n]);
     for (std::int64_t g = 1; g < G; ++g) std::copy(rows, rows + L, rows + g * L);
     for (std::int64_t g = 0; g < G; ++g) drift[g] = 0.0;

@@ -15,6 +15,8 @@ namespace cpu {
 
 template <>
 struct scorer_impl<scorers::key_norm> : scorer_impl_base {
+  /// No window attention: no logits block.
+  static constexpr std::int64_t block_rows_max(std::int64_t) { return 0; }
   template <class Policy, class T>
   static void score(const detail::head_job<Policy, T>& job, detail::head_scratch& s, float* rows /* G x L */, double* drift /* G */,
                     float* /*rows2*/ = nullptr) {
@@ -22,12 +24,15 @@ struct scorer_impl<scorers::key_norm> : scorer_impl_base {
     const layer_inputs<T>& in = *job.in;
     const std::int64_t L = job.L, d = in.head_dim(), b = job.b, h = job.h;
     const std::int64_t G = in.queries.data ? in.group_size() : 1;
-    const T* kbase = in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1];
-    cmap_rm K = stage_rows(kbase, L, d, in.keys.stride[2], in.keys.stride[3], s.kbuf);
-    for (std::int64_t n = 0; n < L; ++n) {
-      double acc = 0.0;
-      for (std::int64_t c = 0; c < d; ++c) acc += static_cast<double>(K(n, c)) * K(n, c);
-      rows[n] = saturate(-std::sqrt(acc));
+    const row_source<T> ks{in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1], in.keys.stride[2], in.keys.stride[3], d};
+    for (std::int64_t n0 = 0; n0 < L; n0 += attention_key_tile) {  // K staged a tile at a time
+      const std::int64_t nt = std::min(attention_key_tile, L - n0);
+      const cmap_rm K = ks.rows(n0, nt, s.kbuf);
+      for (std::int64_t n = 0; n < nt; ++n) {
+        double acc = 0.0;
+        for (std::int64_t c = 0; c < d; ++c) acc += static_cast<double>(K(n, c)) * K(n, c);
+        rows[n0 + n] = saturate(-std::sqrt(acc));
+      }
     }
     for (std::int64_t g = 1; g < G; ++g) std::copy(rows, rows + L, rows + g * L);
     for (std::int64_t g = 0; g < G; ++g) drift[g] = 0.0;

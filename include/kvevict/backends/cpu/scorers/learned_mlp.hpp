@@ -19,6 +19,8 @@ namespace cpu {
 /// layer is params.layer, or layer_inputs::layer_idx when params.layer = -1.
 template <>
 struct scorer_impl<scorers::learned_mlp> : head_scorer<scorer_impl<scorers::learned_mlp>> {
+  /// A token's score reads its own key and value only: K and V are staged a tile at a time.
+  static constexpr bool per_token = true;
   static void score_head(const scorers::learned_mlp::params& p, const head_inputs& hi, float* out) {
     const int l = p.layer >= 0 ? p.layer : static_cast<int>(hi.layer_idx);
     learned_mlp_rows::score_rows(p, l, hi.kv_head, hi.keys, hi.values, hi.length, hi.head_dim, out);

@@ -42,20 +42,18 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
     if (csum > 0.0)
       for (std::int64_t j = 0; j < w; ++j) s.st_c[j] = static_cast<float>(s.st_c[j] / csum);
 
-    // Values (scaled by a power of two into a safe range) and their projections.
-    // vscale: 2^e in fp64: for max |v| in [2^127, FLT_MAX] 2^128 is inf in fp32
-    const auto* vbase = in.values.data + c.b * in.values.stride[0] + h * in.values.stride[1];
-    new (&c.V) cmap_rm(stage_rows(vbase, L, d, in.values.stride[2], in.values.stride[3], s.vbuf));
-    const float vmax = max_abs(c.V);
+    // Values, scaled by a power of two into a safe range (vscale: 2^e in fp64: for max |v| in
+    // [2^127, FLT_MAX] 2^128 is inf in fp32). "after" mode reads them tile by tile through
+    // c.vsrc (rescaled as they are staged); "before" mode stages all L of them (c.V).
+    c.before = P.scorer.aggregation == scorers::output_reconstruction::mode::before;
+    const float vmax = max_abs_rows(c.vsrc, L);
     if (vmax > 0.0f && (vmax > 0x1p32f || vmax < 0x1p-32f)) {
       int e;
       std::frexp(vmax, &e);
       c.vscale = std::ldexp(1.0, e);
-      map_rm vs(s.vbuf, L, d, Eigen::OuterStride<>(d));
-      if (c.V.data() != s.vbuf) vs = c.V;
-      scale_pow2(s.vbuf, L * d, -e);
-      new (&c.V) cmap_rm(s.vbuf, L, d, Eigen::OuterStride<>(d));
+      c.vsrc.scale_exp = e;
     }
+    if (c.before) new (&c.V) cmap_rm(c.vsrc.rows(0, L, s.vbuf));
     c.tau = P.scorer.tau;
     c.out_scale = std::pow(c.vscale, static_cast<double>(c.tau));
 
@@ -64,7 +62,6 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
     // times). In value space Y = V for every head.
     // "before" mode holds them for all L tokens (y_stride = G d; value space: Y = V itself);
     // "after" mode computes them tile by tile after the loop over the group's heads.
-    c.before = P.scorer.aggregation == scorers::output_reconstruction::mode::before;
     c.use_r = P.scorer.use_wo;
     if (P.scorer.use_wo) {
       c.rcat.resize(G * d, d);
@@ -76,7 +73,7 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
         map_rm Yall(s.ybuf, L, G * d, Eigen::OuterStride<>(G * d));
         Yall.noalias() = c.V * c.rcat.transpose();
       }
-    } else {
+    } else if (c.before) {
       c.y_base = c.V.data();
       c.y_stride = c.V.outerStride();
     }
@@ -181,20 +178,22 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
     const float tau = c.tau;
     const bool use_r = c.use_r;
     const double out_scale = c.out_scale;
-    const cmap_rm& V = c.V;
-    const cmap_rm& K = c.K;
+    const auto& vsrc = c.vsrc;
     const auto& rcat = c.rcat;
     const std::int64_t row_begin = c.row_begin;
     const float scale = c.scale;
-    // "after", phase 2: z_g = V^T a_bar_g for the G heads at once (one pass over V) and R_g z_g;
-    // then per tile of lor_token_tile tokens, Y = V_tile [R_1 .. R_G]^T (one GEMM for the
-    // group; the tile stays in L2) and for every head g and token n of the tile
-    // s[n] = a/(1-a) ||R_g z_g - Y_n||^tau, a = a_bar_g[n] (held in the output row). In value
-    // space Y_n = v_n (read in place).
+    // "after", phase 2: z_g = V^T a_bar_g for the G heads at once (one pass over V, a GEMM per
+    // tile of value_tile tokens accumulated in order) and R_g z_g; then per tile of
+    // lor_token_tile tokens, Y = V_tile [R_1 .. R_G]^T (one GEMM for the group; the tile stays
+    // in L2) and for every head g and token n of the tile s[n] = a/(1-a) ||R_g z_g - Y_n||^tau,
+    // a = a_bar_g[n] (held in the output row). In value space Y_n = v_n.
     const std::int64_t zlim = P.scorer.include_window_in_output ? L : L - w;
     {
       Eigen::MatrixXf Z = Eigen::MatrixXf::Zero(d, G);
-      if (zlim > 0) Z.noalias() = V.topRows(zlim).transpose() * cmap_rm(rows, G, zlim, Eigen::OuterStride<>(L)).transpose();
+      for (std::int64_t n0 = 0; n0 < zlim; n0 += value_tile) {
+        const std::int64_t nb = std::min(value_tile, zlim - n0);
+        Z.noalias() += vsrc.rows(n0, nb, s.vbuf).transpose() * cmap_rm(rows + n0, G, nb, Eigen::OuterStride<>(L)).transpose();
+      }
       for (std::int64_t g = 0; g < G; ++g) {
         Eigen::Map<Eigen::VectorXf> rz(s.rzs + g * d, d);
         if (use_r) rz.noalias() = rcat.middleRows(g * d, d) * Z.col(g);
@@ -203,11 +202,14 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
     }
     for (std::int64_t n0 = 0; n0 < L; n0 += lor_token_tile) {
       const std::int64_t nb = std::min(lor_token_tile, L - n0);
-      const float* yb = c.y_base + n0 * c.y_stride;
+      const cmap_rm Vt = vsrc.rows(n0, nb, s.vbuf);
+      const float* yb = Vt.data();
+      std::int64_t ys = Vt.outerStride();
       if (use_r) {
         map_rm Yt(s.ybuf, nb, G * d, Eigen::OuterStride<>(G * d));
-        Yt.noalias() = V.middleRows(n0, nb) * rcat.transpose();
+        Yt.noalias() = Vt * rcat.transpose();
         yb = s.ybuf;
+        ys = G * d;
       }
       for (std::int64_t g = 0; g < G; ++g) {
         float* out = rows + g * L;
@@ -223,8 +225,8 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
             out[n] = 0.0f;
             continue;
           }
-          double d2 = static_cast<double>(sq_dist_f32(rz, yg + t * c.y_stride, d));
-          if (!(d2 <= 3.0e38) || d2 < 0x1p-100) d2 = sq_dist_fp64(rz, yg + t * c.y_stride, d);
+          double d2 = static_cast<double>(sq_dist_f32(rz, yg + t * ys, d));
+          if (!(d2 <= 3.0e38) || d2 < 0x1p-100) d2 = sq_dist_fp64(rz, yg + t * ys, d);
           const double dist = std::sqrt(d2);
           const double dd = tau == 1.0f ? dist : std::pow(dist, static_cast<double>(tau));
           out[n] = saturate(static_cast<double>(a) / (1.0 - static_cast<double>(a)) * dd * out_scale);
@@ -239,18 +241,18 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
       float* out = rows + g * L;
       const auto* qbase = in.queries.data + b * in.queries.stride[0] + hq * in.queries.stride[1] +
                           (in.window() - w) * in.queries.stride[2];
-      cmap_rm Q = stage_rows(qbase, w, d, in.queries.stride[2], in.queries.stride[3], s.qbuf);
       {
         // Exact limit for the dominant token: a * (1-a)^(tau-1) * ||R(z_{-n} - v_n)||^tau with
         // weights of the other tokens computed relative to their largest log-weight E.
         const std::int64_t n0 = s.dom[g];
         Eigen::VectorXd num = Eigen::VectorXd::Zero(d);
         double den = 0.0, E = -std::numeric_limits<double>::infinity();
-        for (std::int64_t j0 = row_begin; j0 < w; j0 += attention_row_block) {
-          const std::int64_t rb = std::min(attention_row_block, w - j0);
+        for (std::int64_t j0 = row_begin; j0 < w; j0 += c.rb) {
+          const std::int64_t rb = std::min(c.rb, w - j0);
           const row_stats st{s.st_max, s.st_zo, s.st_arg, s.st_inv};  // only the logits and z_other are read
-          attention_block(cmap_rm(Q.data() + j0 * Q.outerStride(), rb, d, Eigen::OuterStride<>(Q.outerStride())), K, L, w, j0, rb,
-                          scale, s.logits, s.probs, st, false);
+          // the weights go to the second half of the logits buffer (max(G, 2) rb L floats), unread
+          attention_block(stage_rows(qbase + j0 * in.queries.stride[2], rb, d, in.queries.stride[2], in.queries.stride[3], s.qbuf),
+                          c.keys, L, w, j0, rb, scale, s.logits, s.logits + rb * L, st, false);
           for (std::int64_t r = 0; r < rb; ++r) {
             const std::int64_t j = j0 + r;
             const double cj = s.st_c[j];
@@ -273,7 +275,7 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
               const double wgt = std::exp(static_cast<double>(lr[n]) + lam - E);
               if (wgt == 0.0) continue;
               den += wgt;
-              if (n < zlim) num += wgt * V.row(n).transpose().cast<double>();
+              if (n < zlim) num += wgt * vsrc.rows(n, 1, s.vbuf).row(0).transpose().template cast<double>();
             }
           }
         }
@@ -283,7 +285,7 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
           // s = a / (1-a) * ||R(z - v_n0)||^tau, z = num * e^E, with the exact 1 - a.
           const bool in_z = n0 < zlim;
           Eigen::VectorXd diff = (in_z ? Eigen::VectorXd(num / den) : Eigen::VectorXd(num * std::exp(E))) -
-                                 V.row(n0).transpose().cast<double>();
+                                 vsrc.rows(n0, 1, s.vbuf).row(0).transpose().template cast<double>();
           const double dist = use_r ? (rcat.middleRows(g * d, d).template cast<double>() * diff).norm() : diff.norm();
           const double log1m = std::log(den) + E;
           const double a = s.adom[g];

@@ -29,17 +29,27 @@ namespace detail {
 /// The state of one (sequence, KV head) shared by the loop and the hooks.
 template <class Policy, class T>
 struct window_ctx {
-  window_ctx(const detail::head_job<Policy, T>& j, cmap_rm keys)
+  window_ctx(const detail::head_job<Policy, T>& j, float* kbuf)
       : job(j), in(*j.in), P(*j.p), L(j.L), d(j.in->head_dim()), b(j.b), h(j.h), G(j.in->queries.data ? j.in->group_size() : 1),
-        w(j.w), scale(static_cast<float>(1.0 / std::sqrt(static_cast<double>(j.in->head_dim())))), K(keys) {}
+        w(j.w), rb(std::max<std::int64_t>(1, std::min(j.rows_per_block, std::min(attention_row_block, std::max<std::int64_t>(j.w, 1))))),
+        scale(static_cast<float>(1.0 / std::sqrt(static_cast<double>(j.in->head_dim())))),
+        ksrc{j.in->keys.data + j.b * j.in->keys.stride[0] + j.h * j.in->keys.stride[1], j.in->keys.stride[2], j.in->keys.stride[3],
+             j.in->head_dim()},
+        keys{ksrc, kbuf} {}
+  window_ctx(const window_ctx&) = delete;
   const detail::head_job<Policy, T>& job;
   const layer_inputs<T>& in;
   const typename Policy::params& P;
   std::int64_t L, d, b, h, G, w;
+  std::int64_t rb;  ///< window rows per block (head_job::rows_per_block, within the window)
   float scale;
   std::int64_t row_begin = 0;
-  cmap_rm K;
-  /// The head's values in fp32 (staged by a hook that reads them), possibly rescaled by 2^e.
+  /// The head's keys, staged one tile of attention_key_tile keys at a time (never as a whole).
+  row_source<T> ksrc;
+  key_tiles<T> keys;
+  /// The head's values as stored (row_source; a hook that reads them sets vsrc.scale_exp).
+  row_source<T> vsrc{};
+  /// The head's values staged in fp32 as a whole (only the reconstruction scorer's "before" mode).
   cmap_rm V{nullptr, 0, 0, Eigen::OuterStride<>(1)};
   double vscale = 1.0;  ///< the values were divided by vscale (ReST-KV: 2^e in fp64)
   int vexp = 0;         ///< ... or by 2^vexp (CriticalKV)
@@ -74,6 +84,10 @@ struct window_hooks {
 /// See the file comment. Hooks: the scorer's implementation (derives from window_hooks).
 template <class Hooks>
 struct window_scorer : scorer_impl_base {
+  /// Rows of one block: the window's, up to attention_row_block; TOVA's last row only.
+  static constexpr std::int64_t block_rows_max(std::int64_t w) {
+    return Hooks::last_only ? 1 : std::min(attention_row_block, std::max<std::int64_t>(w, 1));
+  }
   template <class Policy, class T>
   static void score(const head_job<Policy, T>& job, head_scratch& s, float* rows /* G x L */, double* drift /* G */,
                     float* rows2 = nullptr /* G x L */) {
@@ -82,9 +96,12 @@ struct window_scorer : scorer_impl_base {
     const std::int64_t L = job.L, d = in.head_dim(), b = job.b, h = job.h;
     const std::int64_t G = in.queries.data ? in.group_size() : 1;
     // Keys of this head, fp32.
-    const T* kbase = in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1];
-    window_ctx<Policy, T> c(job, stage_rows(kbase, L, d, in.keys.stride[2], in.keys.stride[3], s.kbuf));
-    const std::int64_t w = c.w;
+    window_ctx<Policy, T> c(job, s.kbuf);
+    const std::int64_t w = c.w, rbk = c.rb;
+    {
+      const T* vb = in.values.data ? in.values.data + b * in.values.stride[0] + h * in.values.stride[1] : nullptr;
+      c.vsrc = row_source<T>{vb, in.values.stride[2], in.values.stride[3], d};
+    }
     // Temporal weights c_j over the effective window.
     if constexpr (Hooks::last_only) {
       for (std::int64_t j = 0; j < w; ++j) s.st_c[j] = j == w - 1 ? 1.0f : 0.0f;
@@ -107,13 +124,13 @@ struct window_scorer : scorer_impl_base {
     std::fill(s.dsum, s.dsum + 2 * G, 0.0);  // per head: drift sums of the front and rear rows
     std::int64_t n_front = 0, n_rear = 0;   // rows in each half (the same for every head)
 
-    for (std::int64_t j0 = row_begin; j0 < w; j0 += attention_row_block) {
-      const std::int64_t rb = std::min(attention_row_block, w - j0);
+    for (std::int64_t j0 = row_begin; j0 < w; j0 += rbk) {
+      const std::int64_t rb = std::min(rbk, w - j0);
       // "before" mode reads the normalised probabilities and the logits afterwards; every other
       // path only needs the weights: the softmax runs in place over the logits and leaves them
       // unnormalised, fl(e * inv_z) = the probability is folded into the consumers below.
       float* const pbase = before ? s.probs : s.logits;
-      attention_block(stage_group_queries(in, b, h, G, w, j0, rb, s.qbuf), c.K, L, w, j0, rb, c.scale, s.logits, pbase,
+      attention_block(stage_group_queries(in, b, h, G, w, j0, rb, s.qbuf), c.keys, L, w, j0, rb, c.scale, s.logits, pbase,
                       row_stats{s.st_max, s.st_zo, s.st_arg, s.st_inv}, before);
       if (want_drift)
         for (std::int64_t r = 0; r < rb; ++r) ++(j0 + r < w / 2 ? n_front : n_rear);
