@@ -1395,6 +1395,59 @@ TEST_CASE("host: LKV device-check messages") {
         std::string::npos);
 }
 
+namespace {
+/// docs/cuda.md "Workspace": bytes per token of capacity S of the CUDA workspace, batch B, nq = B x
+/// q_heads score rows, rows = B x out_heads selection rows: grows 4 nq; the reduced scores 4 rows
+/// (when out rows differ from query heads); avg_pool / adaptive_window 12 rows, max_pool 4 rows;
+/// the reconstruction scorer's a_bar 4 nq and its z partials (8 nq d per 4096 tokens, up to 64 of
+/// them: S <= 256k); the drift rows min(nq W S, 2^24) floats (no per-token term once
+/// S >= 2^24 / (nq W)).
+struct cuda_ws_terms {
+  bool scores = true, reduced = true, lor = false;
+  int box = 0;  // 12: avg_pool / adaptive_window, 4: max_pool, 0: none
+};
+template <class P, class T>
+void check_cuda_workspace(const char* name, const kv::layer_inputs<T>& a, const kv::layer_inputs<T>& b, cuda_ws_terms t) {
+  kv::evictor<P, kv::cuda::backend> ev;
+  const std::int64_t nq = a.batch() * a.q_heads(), rows = a.batch() * a.kv_heads();
+  const double lor = t.lor ? 4.0 * nq + 8.0 * nq * a.head_dim() / 4096.0 : 0.0;
+  const double per_token = t.scores ? 4.0 * nq + (t.reduced ? 4.0 * rows : 0.0) + t.box * rows + lor : 0.0;
+  const std::size_t wa = ev.workspace_size(a), wb = ev.workspace_size(b);
+  const double slope = (static_cast<double>(wb) - static_cast<double>(wa)) / static_cast<double>(b.capacity() - a.capacity());
+  INFO(std::string(name) << ": CUDA workspace at " << b.capacity() << " tokens = " << wb << " bytes, " << slope << " bytes per token (formula "
+            << per_token << ")");
+  CHECK(std::fabs(slope - per_token) < 0.1);
+  MESSAGE(std::string(name) << ": CUDA workspace at " << b.capacity() << " tokens = " << wb << " bytes");
+}
+}  // namespace
+
+TEST_CASE("host: CUDA workspace_size at 128k tokens for every preset follows docs/cuda.md's formula") {
+  // Llama-3.1-8B attention geometry, fp16, shapes only (workspace_size reads no data)
+  static const kv::half_t dummy[1] = {};
+  auto at = [](std::int64_t L) {
+    kv::layer_inputs<kv::half_t> in;
+    in.keys = kv::make_kv_view(dummy, 1, 8, L, 128, kv::kv_layout::hnd);
+    in.values = in.keys;
+    in.queries = kv::make_query_view(dummy, 1, 32, 32, 128, kv::kv_layout::hnd);
+    static const float r[1] = {};
+    in.wo_factor = kv::strided_view<const float, 3>{r, {32, 128, 128}, {128 * 128, 128, 1}};
+    return in;
+  };
+  const auto a = at(65536), b = at(131072);
+  check_cuda_workspace<kv::presets::restkv>("restkv", a, b, {true, true, true, 12});
+  check_cuda_workspace<kv::presets::snapkv>("snapkv", a, b, {true, true, false, 12});
+  check_cuda_workspace<kv::presets::pyramidkv>("pyramidkv", a, b, {true, true, false, 12});
+  check_cuda_workspace<kv::presets::adakv>("adakv", a, b, {true, true, false, 12});
+  check_cuda_workspace<kv::presets::h2o>("h2o", a, b, {true, true, false, 0});
+  check_cuda_workspace<kv::presets::tova>("tova", a, b, {true, true, false, 0});
+  check_cuda_workspace<kv::presets::streaming_llm>("streaming_llm", a, b, {false, false, false, 0});
+  check_cuda_workspace<kv::presets::key_norm>("key_norm", a, b, {true, true, false, 0});
+  check_cuda_workspace<kv::lkv::full>("lkv", a, b, {true, true, false, 0});
+  check_cuda_workspace<kv::lkv::uniform_budgets>("lkv_uniform_budgets", a, b, {true, true, false, 0});
+  check_cuda_workspace<kv::lkv::budgets_restkv>("lkv_budgets_restkv", a, b, {true, true, true, 12});
+  check_cuda_workspace<kv::lkv::budgets_attention>("lkv_budgets_attention", a, b, {true, true, false, 12});
+}
+
 TEST_CASE("cuda vs cpu: the engine's eviction path on real stories260K layers") {
 #if defined(KVEVICT_TEST_HAVE_MODEL)
   // K, V, the last 32 queries and the W_O factors of every layer after the example engine
