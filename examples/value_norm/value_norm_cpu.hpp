@@ -1,6 +1,6 @@
 // The CPU implementation of value_norm_scorer (value_norm.hpp). cpu::head_scorer hands it one
 // (sequence, KV head) at a time as fp32 row-major copies (cpu::head_inputs): out[n] for
-// n < in.length; in.values is L x d. (A scorer that reads the window queries gets in.queries and
+// n < in.length; in.values is in.length x d (a tile of the head's tokens: per_token below). (A scorer that reads the window queries gets in.queries and
 // the policy's temporal weights in.temporal_weights.) The row is saturated to the finite fp32
 // range and given to every query head of the GQA group.
 #pragma once
@@ -14,6 +14,9 @@
 
 template <>
 struct kvevict::cpu::scorer_impl<value_norm_scorer> : kvevict::cpu::head_scorer<kvevict::cpu::scorer_impl<value_norm_scorer>> {
+  // Each token's score reads only its own value: head_scorer may hand over tiles of tokens
+  // (in.length = the tile's), so the copies stay a few hundred KiB at any context length.
+  static constexpr bool per_token = true;
   static void score_head(const value_norm_scorer::params& p, const kvevict::cpu::head_inputs& in, float* out) {
     for (std::int64_t n = 0; n < in.length; ++n) {
       double s = 0.0;

@@ -10,7 +10,9 @@
 //    adaptive-window drift): G = 1, 3, 8 (and 32); windows 1, 7, 32, 33, 70 (one to three row blocks);
 //    L = w, w + 1, 1023, 1024, 1025, 2049 (one to three key tiles); a second head shorter than
 //    the window (ragged lengths, scratch carved for the capacity); every layout. Each
-//    head_scratch array is carved as its own allocation with guard bytes (a write past a carve
+//    head_scratch array is carved as the evictor carves it (K / V tiles, the scorer's own
+//    options) but with logits blocks of 3000 bytes (a few window rows, one at the longest
+//    lengths: several passes over K), each array as its own allocation with guard bytes (a write past a carve
 //    size is caught), filled with NaN first (a stale read shows), one scratch reused for every
 //    head as in the evictor; the output rows past G x L must stay untouched;
 //  - logits that are not finite in fp32 (inf, ties of inf, inf + -inf = NaN) in ONE head of a
@@ -112,7 +114,17 @@ direct_result run_direct(const typename Policy::params& prm, const kv::layer_inp
   } eigen_threads;
   guarded_carver gc;
   cd::head_scratch s;
-  s.carve(gc, S, in.window(), d, G, cd::needs_full_projection<Scorer>(prm.scorer));
+  // The evictor's tight carve (tiles, no whole copies) with small logits blocks: 3000 bytes hold
+  // a few window rows at these lengths, one row at the longest (several passes over K).
+  using impl = kv::cpu::scorer_impl<Scorer>;
+  cd::head_scratch::options so;
+  so.full_y = cd::needs_full_projection<Scorer>(prm.scorer);
+  so.block_bytes = 3000;
+  so.full_kv = impl::full_kv();
+  so.all_queries = impl::all_queries();
+  so.rows_max = impl::block_rows_max(in.window());
+  so.drift_row = with_drift;
+  s.carve(gc, S, in.window(), d, G, so);
   if constexpr (kv::detail::scorer_needs_wo_matrix<Scorer>::value) s.carve_projection(gc, in.wo.extent[0], d);
   const float sentinel = 12345.0f;
   const std::size_t nrows = static_cast<std::size_t>(G * S + 64);
@@ -126,6 +138,7 @@ direct_result run_direct(const typename Policy::params& prm, const kv::layer_inp
       std::fill(rows2.begin(), rows2.end(), sentinel);
       std::fill(dr.begin(), dr.end(), 777.0);
       cd::head_job<Policy, T> job{&in, &prm, b, h, L, w, with_drift ? drift_k_of(L, w) : 0};
+      job.rows_per_block = cd::block_rows(so.block_bytes, G, L, w);
       cd::score_kv_head<Scorer, Temporal>(job, s, rows.data(), dr.data(), secondary ? rows2.data() : nullptr);
       for (std::size_t i = static_cast<std::size_t>(G * L); i < nrows; ++i)
         if (rows[i] != sentinel || rows2[i] != sentinel) {

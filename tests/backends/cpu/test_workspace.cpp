@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace kv = kvevict;
@@ -88,26 +89,36 @@ TEST_CASE("workspace: every preset at 128k tokens stays within 32 MiB on one thr
 
 namespace {
 
+struct block_case {
+  std::int64_t group = 4, window = 24;
+  kv::gqa_reduction gqa = kv::gqa_reduction::mean;
+  bool before = false;  // ReST-KV's "before" aggregation
+};
+
 /// Selections of Policy with the default scoring block and with blocks of `bytes` (down to one
 /// window row per block, several passes over K): identical; scores within float rounding (the
 /// temporal aggregate's partial sums group by block).
 template <class Policy, class T>
-void check_block_independent(const char* name, std::size_t bytes, kvtest::layout l) {
+void check_block_independent(const char* name, std::size_t bytes, kvtest::layout l, block_case bc = {}) {
   kvtest::shape sh;
-  sh.batch = 2, sh.kv_heads = 2, sh.group = 4, sh.cap = 1500, sh.d = 32, sh.window = 24, sh.hidden = 64;
+  sh.batch = 2, sh.kv_heads = 2, sh.group = bc.group, sh.cap = 1500, sh.d = 32, sh.window = bc.window, sh.hidden = 64;
   std::vector<std::int32_t> lens = {1500, 1211, 997, 1500};
+  if (bc.gqa == kv::gqa_reduction::layer_mean) lens = {1500, 1500, 1211, 1211};  // equal across a sequence's heads
   kvtest::problem p = kvtest::make_problem(sh, 77, 1.0, 1.5, 1.0, lens);
   kvtest::quantize<T>(p);
   kvtest::quantize_wo<T>(p);
   kvtest::stored<T> st;
   kvtest::store(p, l, st);
   auto params = Policy::defaults();
-  params.gqa = kv::gqa_reduction::mean;  // ragged heads (TOVA's layer_mean needs equal lengths)
+  params.gqa = bc.gqa;
+  if constexpr (std::is_same<typename Policy::scorer, kv::scorers::output_reconstruction>::value)
+    if (bc.before) params.scorer.aggregation = kv::scorers::output_reconstruction::mode::before;
   kv::evictor<Policy, kv::cpu::backend> ev_default(params), ev_small(params, kv::cpu::backend{0, bytes});
   for (double f : {0.1, 0.4}) {
     const auto a = kvtest::run_lib(ev_default, st.in, kv::budget_request::fraction(f));
     const auto b = kvtest::run_lib(ev_small, st.in, kv::budget_request::fraction(f));
-    INFO(name << " block bytes " << bytes << " keep " << f);
+    INFO(name << " block bytes " << bytes << " keep " << f << " group " << bc.group << " window " << bc.window << " gqa "
+              << static_cast<int>(bc.gqa) << " before " << bc.before);
     REQUIRE(a.st.ok());
     REQUIRE(b.st.ok());
     CHECK(a.indptr == b.indptr);
@@ -122,13 +133,13 @@ void check_block_independent(const char* name, std::size_t bytes, kvtest::layout
 }
 
 template <class T>
-void check_all_block_independent(std::size_t bytes, kvtest::layout l) {
-  check_block_independent<kv::presets::restkv, T>("restkv", bytes, l);
-  check_block_independent<kv::presets::snapkv, T>("snapkv", bytes, l);
-  check_block_independent<kv::presets::adakv, T>("adakv", bytes, l);
-  check_block_independent<kv::presets::critical_adakv, T>("critical_adakv", bytes, l);
-  check_block_independent<kv::presets::h2o, T>("h2o", bytes, l);
-  check_block_independent<kv::presets::tova, T>("tova", bytes, l);
+void check_all_block_independent(std::size_t bytes, kvtest::layout l, block_case bc = {}) {
+  check_block_independent<kv::presets::restkv, T>("restkv", bytes, l, bc);
+  check_block_independent<kv::presets::snapkv, T>("snapkv", bytes, l, bc);
+  check_block_independent<kv::presets::adakv, T>("adakv", bytes, l, bc);
+  check_block_independent<kv::presets::critical_adakv, T>("critical_adakv", bytes, l, bc);
+  check_block_independent<kv::presets::h2o, T>("h2o", bytes, l, bc);
+  check_block_independent<kv::presets::tova, T>("tova", bytes, l, bc);
 }
 
 }  // namespace
@@ -138,6 +149,13 @@ TEST_CASE("workspace: the scoring block size bounds memory and leaves the select
   check_all_block_independent<float>(1, kvtest::layout::hnd);
   check_all_block_independent<kv::bfloat16_t>(60000, kvtest::layout::nhd);
   check_all_block_independent<kv::half_t>(1, kvtest::layout::interleaved);
+  // no GQA group and a window longer than one block of 32 rows; per query head; layer mean
+  check_all_block_independent<float>(30000, kvtest::layout::hnd, {1, 40, kv::gqa_reduction::mean, false});
+  check_all_block_independent<float>(1, kvtest::layout::nhd, {2, 33, kv::gqa_reduction::per_query_head, false});
+  check_all_block_independent<kv::bfloat16_t>(50000, kvtest::layout::hnd, {4, 24, kv::gqa_reduction::layer_mean, false});
+  check_all_block_independent<float>(40000, kvtest::layout::hnd, {4, 24, kv::gqa_reduction::max, false});
+  // ReST-KV's "before" aggregation (its own whole-value scratch, blocks of rows as the others)
+  check_block_independent<kv::presets::restkv, float>("restkv before", 1, kvtest::layout::hnd, {4, 24, kv::gqa_reduction::mean, true});
   // the workspace shrinks with the block: at 128k, 1 MiB blocks vs the default 16 MiB
   const auto in = shapes_at(131072);
   kv::evictor<kv::presets::restkv, kv::cpu::backend> big, small(kv::presets::restkv::defaults(), kv::cpu::backend{0, std::size_t{1} << 20});

@@ -30,10 +30,11 @@ struct backend {
   int num_threads = 0;
   /// Bytes of per-thread scratch one block of window-attention logits may take (the scorers that
   /// compute window attention hold the logits of a block of window rows of the whole GQA group
-  /// over all L keys). Below 32 rows x group x L x 4 bytes the block has fewer rows: less memory,
-  /// more passes over K at long contexts. The rest of the scoring scratch does not grow with L
-  /// beyond a few rows (docs/performance.md "Workspace"). Default 16 MiB: 32 rows per block up to
-  /// L = 32k at GQA group 4.
+  /// over all L keys: max(G, 2) x rows x L floats). Below 32 rows' worth the block has fewer rows
+  /// (at least one): less memory, more passes over K at long contexts, the same selections. Any
+  /// value is valid (0: one row per block). The rest of the scoring scratch grows with L by a few
+  /// rows (docs/performance.md "Workspace"). Default 16 MiB: 32 rows per block up to L = 32k at
+  /// GQA group 4, 8 rows at 128k.
   std::size_t score_block_bytes = std::size_t{16} << 20;
 };
 
@@ -155,13 +156,31 @@ float row_source<T>::at(std::int64_t r, std::int64_t c) const {
   return scale_exp == 0 ? x : static_cast<float>(static_cast<double>(x) * std::ldexp(1.0, -scale_exp));
 }
 
-/// Largest |x| over the first `rows` rows of a row_source's storage (its scale ignored).
+/// Largest |x| over the first `rows` rows of a row_source's storage (its scale ignored): rows read
+/// in place when T is float with column stride 1, else widened a chunk at a time; a vectorised
+/// maximum either way (the same value a staged copy's max_abs gives).
 template <class T>
 inline float max_abs_rows(const row_source<T>& src, std::int64_t rows) {
+  constexpr std::int64_t chunk = 256;
+  float buf[chunk];
   float mx = 0.0f;
+  if constexpr (std::is_same<std::remove_const_t<T>, float>::value) {
+    if (src.col_stride == 1 && src.row_stride == src.cols)  // contiguous rows: one flat reduction
+      return rows > 0 && src.cols > 0 ? Eigen::Map<const Eigen::ArrayXf>(src.base, rows * src.cols).abs().maxCoeff() : 0.0f;
+  }
   for (std::int64_t r = 0; r < rows; ++r) {
     const T* p = src.base + r * src.row_stride;
-    for (std::int64_t c = 0; c < src.cols; ++c) mx = std::max(mx, std::fabs(to_float(p[c * src.col_stride])));
+    if constexpr (std::is_same<std::remove_const_t<T>, float>::value) {
+      if (src.col_stride == 1) {
+        if (src.cols > 0) mx = std::max(mx, Eigen::Map<const Eigen::ArrayXf>(p, src.cols).abs().maxCoeff());
+        continue;
+      }
+    }
+    for (std::int64_t c0 = 0; c0 < src.cols; c0 += chunk) {
+      const std::int64_t n = std::min(chunk, src.cols - c0);
+      for (std::int64_t c = 0; c < n; ++c) buf[c] = to_float(p[(c0 + c) * src.col_stride]);
+      mx = std::max(mx, Eigen::Map<const Eigen::ArrayXf>(buf, n).abs().maxCoeff());
+    }
   }
   return mx;
 }

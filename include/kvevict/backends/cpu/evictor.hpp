@@ -212,21 +212,28 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       return status::error(errc::insufficient_capacity, "selection.capacity = %lld < kept tokens = %lld (use max_selected())",
                            static_cast<long long>(out.capacity), static_cast<long long>(total));
     if constexpr (lazy_secondary) {
-      // layer_mean: one secondary row per sequence, the fp64 mean of its heads' rows
+      // layer_mean: one secondary row per sequence, the fp64 mean of its heads' rows in head order,
+      // computed in parallel over token ranges (aligned to the value-norm blocks)
       if (p_.gqa == gqa_reduction::layer_mean) {
         for (std::int64_t b = 0; b < B; ++b) {
           if (!buf.need[b * H]) continue;
           const std::int64_t L = in.length(b, 0);
-          double* acc = buf.u_acc;
-          std::fill(acc, acc + L, 0.0);
-          for (std::int64_t ho = 0; ho < H; ++ho) {
-            float* u = buf.u_row;
-            cpu::detail::head_scratch us = buf.u_scratch(0);
-            secondary_of_row(in, b, ho, Gq, Gout, L, S, buf.u_g, us, u);
-            for (std::int64_t n = 0; n < L; ++n) acc[n] += u[n];
-          }
-          float* u0 = buf.scores2 + b * S;
-          for (std::int64_t n = 0; n < L; ++n) u0[n] = static_cast<float>(acc[n] / static_cast<double>(H));
+          constexpr std::int64_t blk = cpu::detail::value_norm_token_block;
+          const std::int64_t chunk = std::max<std::int64_t>(blk, (L + nt * blk - 1) / (nt * blk) * blk);
+          const std::int64_t nchunks = (L + chunk - 1) / chunk;
+          cpu::detail::parallel_for_threads(nt, nchunks, [&](std::int64_t ci, int tid) {
+            const std::int64_t t0 = ci * chunk, t1 = std::min(L, t0 + chunk);
+            double* acc = buf.u_acc;
+            float* u = buf.u_row + static_cast<std::int64_t>(tid) * S;
+            cpu::detail::head_scratch us = buf.u_scratch(tid);
+            std::fill(acc + t0, acc + t1, 0.0);
+            for (std::int64_t ho = 0; ho < H; ++ho) {
+              secondary_of_row(in, b, ho, Gq, Gout, L, t0, t1, Gout == Gq ? nullptr : buf.u_g + static_cast<std::int64_t>(tid) * Gq * S, us, u);
+              for (std::int64_t n = t0; n < t1; ++n) acc[n] += u[n];
+            }
+            float* u0 = buf.scores2 + b * S;
+            for (std::int64_t n = t0; n < t1; ++n) u0[n] = static_cast<float>(acc[n] / static_cast<double>(H));
+          });
         }
       }
     }
@@ -241,7 +248,9 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
         } else if (sc) {
           float* u = buf.u_row + static_cast<std::int64_t>(tid) * S;
           cpu::detail::head_scratch us = buf.u_scratch(tid);
-          secondary_of_row(in, b, r % H, Gq, Gout, in.length(b, hk), S, buf.u_g + static_cast<std::int64_t>(tid) * Gq * S, us, u);
+          const std::int64_t L = in.length(b, hk);
+          secondary_of_row(in, b, r % H, Gq, Gout, L, 0, L, Gout == Gq ? nullptr : buf.u_g + static_cast<std::int64_t>(tid) * Gq * S, us,
+                           u);
           sc2 = u;
         }
       } else if constexpr (has_secondary) {
@@ -317,18 +326,19 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     cpu::detail::head_scratch scratch[cpu::detail::max_scratch_threads];
   };
 
-  /// lazy_secondary: the secondary row of out row ho of sequence b (L tokens) into u: the query
-  /// head's own row (Gout == Gq), or the group's rows (ug, Gq x L) reduced as reduce_group_secondary.
+  /// lazy_secondary: the secondary row of out row ho of sequence b (L tokens), tokens [t0, t1), into
+  /// u[t0, t1): the query head's own row (Gout == Gq), or the group's rows (ug: Gq rows of
+  /// t1 - t0) reduced as reduce_group_secondary.
   template <class T>
   void secondary_of_row(const layer_inputs<T>& in, std::int64_t b, std::int64_t ho, std::int64_t Gq, std::int64_t Gout, std::int64_t L,
-                        std::int64_t S, float* ug, cpu::detail::head_scratch& s, float* u) const {
+                        std::int64_t t0, std::int64_t t1, float* ug, cpu::detail::head_scratch& s, float* u) const {
     if (Gout == Gq) {
-      cpu::scorer_impl<Scorer>::secondary_row(in, b, ho, L, s, u);
+      cpu::scorer_impl<Scorer>::secondary_row(in, b, ho, L, t0, t1, s, u + t0);
       return;
     }
-    const std::int64_t hk = ho / Gout;
-    for (std::int64_t g = 0; g < Gq; ++g) cpu::scorer_impl<Scorer>::secondary_row(in, b, hk * Gq + g, L, s, ug + g * L);
-    cpu::detail::reduce_group_secondary(p_.gqa == gqa_reduction::layer_mean ? gqa_reduction::mean : p_.gqa, ug, Gq, 1, L, S, u);
+    const std::int64_t hk = ho / Gout, n = t1 - t0;
+    for (std::int64_t g = 0; g < Gq; ++g) cpu::scorer_impl<Scorer>::secondary_row(in, b, hk * Gq + g, L, t0, t1, s, ug + g * n);
+    cpu::detail::reduce_group_secondary(p_.gqa == gqa_reduction::layer_mean ? gqa_reduction::mean : p_.gqa, ug, Gq, 1, n, n, u + t0);
   }
 
   /// plan_options::num_threads resolved: the option, else the backend's, else OpenMP's; at most
@@ -393,7 +403,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       so.rows_max = cpu::scorer_impl<Scorer>::block_rows_max(in.window());
       so.drift_row = Spatial::needs_attention_drift;
       for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve(c, S, in.window(), in.head_dim(), Gq, so);
-      if constexpr (cpu::scorer_impl<Scorer>::hidden_projection) {
+      if constexpr (cpu::scorer_impl<Scorer>::hidden_projection && !lazy_secondary) {
         const std::int64_t C = in.wo.data ? in.wo.extent[0] : 0;
         for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve_projection(c, C, in.head_dim());
       }
@@ -406,7 +416,8 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       if constexpr (lazy_secondary) {
         // selection computes each row's secondary row: its group's rows, value tiles, W_O slice
         buf.u_row = c.template carve<float>(static_cast<std::size_t>(nt * S));
-        buf.u_g = c.template carve<float>(static_cast<std::size_t>(nt * Gq * S));
+        const bool grouped = out_heads(in) != in.kv_heads() * Gq;  // the group's rows are reduced to one
+        buf.u_g = c.template carve<float>(grouped ? static_cast<std::size_t>(nt * Gq * S) : 0);
         const std::int64_t C = std::max<std::int64_t>(in.wo.data ? in.wo.extent[0] : 0, 1), d = std::max<std::int64_t>(in.head_dim(), 1);
         buf.u_vn = cpu::detail::value_norm_token_block * d;
         buf.u_wn = C * d;

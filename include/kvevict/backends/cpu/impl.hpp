@@ -60,7 +60,10 @@ struct head_job {
 ///                                                every token (head_scratch::carve full_y)
 ///   static constexpr bool hidden_projection      the scratch holds a W_O slice (carve_projection)
 ///   static constexpr bool full_kv()              the scratch holds fp32 copies of all L keys and
-///                                                values (head_scorer; otherwise tiles of them)
+///                                                values (default true; the built-ins: tiles)
+///   static constexpr bool all_queries()          ... and all w window rows of queries (default true)
+///   static constexpr int64 block_rows_max(w)     the most window rows of one logits block
+///                                                (default min(w, 32); 0 without window attention)
 ///   template <class T> static status check_layer(const params&, const layer_inputs<T>&)
 ///                                                plan-time check against the layer's shapes
 /// head_scorer<Impl> (backends/cpu/scorers/head_scorer.hpp) turns a simple per-head function on
@@ -98,12 +101,12 @@ struct scorer_impl_base {
     return false;
   }
   static constexpr bool hidden_projection = false;
-  /// The scratch holds fp32 copies of all L keys and values (head_scratch::carve full_kv): only
-  /// head_scorer over an Impl that is not per_token.
-  static constexpr bool full_kv() { return false; }
-  /// The scratch holds all w window rows of the group's queries in fp32 (head_scorer); otherwise
-  /// one block of them.
-  static constexpr bool all_queries() { return false; }
+  /// The scratch holds fp32 copies of all L keys and values (head_scratch::options::full_kv) and
+  /// all w window rows of the group's queries (all_queries), as a scorer written before the
+  /// tiles may expect. The built-in scorers read K and V by tiles and say false (window_scorer,
+  /// key_norm; head_scorer over a per_token Impl); a user's scorer_impl that does the same can too.
+  static constexpr bool full_kv() { return true; }
+  static constexpr bool all_queries() { return true; }
   /// The most window rows one block of this scorer's window loop holds (the logits block of
   /// head_scratch): every row of the window, up to attention_row_block; 0 for a scorer that
   /// computes no window attention (head_scorer, key_norm), 1 for TOVA's last row.

@@ -58,30 +58,33 @@ struct scorer_impl<scorers::attention_value_norm> : detail::window_scorer<scorer
   /// The scratch holds a W_O slice and a block of projected values (head_scratch::carve_projection).
   static constexpr bool hidden_projection = true;
 
-  /// The head's values are read rescaled by 2^-vexp into a safe range, for value_l1_norms.
-  template <class Ctx>
-  static void prepare(Ctx& c, detail::head_scratch&) {
-    c.vexp = detail::safe_exponent(detail::max_abs_rows(c.vsrc, c.L));
-    c.vsrc.scale_exp = c.vexp;
-  }
+  /// The head's values are read rescaled by 2^-vexp into a safe range, for value_l1_norms (only
+  /// when score() is asked for the secondary rows: the evictor computes them per selection row).
   template <class Ctx>
   static void finish_head(Ctx& c, detail::head_scratch& s, std::int64_t g, float* out, float* rows2) {
     for (std::int64_t n = 0; n < c.L; ++n) out[n] = detail::saturate(out[n]);
-    if (rows2) detail::value_l1_norms(c.in, c.h * c.G + g, c.vsrc, c.L, s, rows2 + g * c.L);
+    if (!rows2) return;
+    if (g == 0) {
+      c.vexp = detail::safe_exponent(detail::max_abs_rows(c.vsrc, c.L));
+      c.vsrc.scale_exp = c.vexp;
+    }
+    detail::value_l1_norms(c.in, c.h * c.G + g, c.vsrc, c.L, s, rows2 + g * c.L);
   }
 
-  /// The secondary row of query head hq of sequence b (its first L tokens) on its own, for the
-  /// evictor to compute it where the selector reads it instead of holding every head's row
-  /// (rows2 = nullptr in score()). s needs vbuf (value_norm_token_block x d floats) and the
-  /// projection scratch (carve_projection). Bit for bit what score() writes to rows2.
+  /// The secondary row of query head hq of sequence b on its own, tokens [t0, t1) of its first L
+  /// (into u[0, t1 - t0)), for the evictor to compute it where the selector reads it instead of
+  /// holding every head's row (rows2 = nullptr in score()). t0 a multiple of
+  /// value_norm_token_block: bit for bit what score() writes to rows2. s needs vbuf
+  /// (value_norm_token_block x d floats) and the projection scratch (carve_projection).
   template <class T>
-  static void secondary_row(const layer_inputs<T>& in, std::int64_t b, std::int64_t hq, std::int64_t L, detail::head_scratch& s,
-                            float* u) {
+  static void secondary_row(const layer_inputs<T>& in, std::int64_t b, std::int64_t hq, std::int64_t L, std::int64_t t0,
+                            std::int64_t t1, detail::head_scratch& s, float* u) {
     const std::int64_t h = hq / in.group_size();
     detail::row_source<T> v{in.values.data + b * in.values.stride[0] + h * in.values.stride[1], in.values.stride[2],
                             in.values.stride[3], in.head_dim()};
-    v.scale_exp = detail::safe_exponent(detail::max_abs_rows(v, L));
-    detail::value_l1_norms(in, hq, v, L, s, u);
+    v.scale_exp = detail::safe_exponent(detail::max_abs_rows(v, L));  // over the whole head, as score()
+    v.base += t0 * v.row_stride;
+    detail::value_l1_norms(in, hq, v, t1 - t0, s, u);
   }
 };
 

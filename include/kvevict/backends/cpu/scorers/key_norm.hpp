@@ -15,7 +15,9 @@ namespace cpu {
 
 template <>
 struct scorer_impl<scorers::key_norm> : scorer_impl_base {
-  /// No window attention: no logits block.
+  /// K by tiles, no queries, no window attention (no logits block).
+  static constexpr bool full_kv() { return false; }
+  static constexpr bool all_queries() { return false; }
   static constexpr std::int64_t block_rows_max(std::int64_t) { return 0; }
   template <class Policy, class T>
   static void score(const detail::head_job<Policy, T>& job, detail::head_scratch& s, float* rows /* G x L */, double* drift /* G */,

@@ -84,6 +84,9 @@ struct window_hooks {
 /// See the file comment. Hooks: the scorer's implementation (derives from window_hooks).
 template <class Hooks>
 struct window_scorer : scorer_impl_base {
+  /// K and V by tiles; queries one block at a time.
+  static constexpr bool full_kv() { return false; }
+  static constexpr bool all_queries() { return false; }
   /// Rows of one block: the window's, up to attention_row_block; TOVA's last row only.
   static constexpr std::int64_t block_rows_max(std::int64_t w) {
     return Hooks::last_only ? 1 : std::min(attention_row_block, std::max<std::int64_t>(w, 1));
