@@ -15,7 +15,7 @@
 template <>
 struct kvevict::cpu::scorer_impl<value_norm_scorer> : kvevict::cpu::head_scorer<kvevict::cpu::scorer_impl<value_norm_scorer>> {
   // Each token's score reads only its own value: head_scorer may hand over tiles of tokens
-  // (in.length = the tile's), so the copies stay a few hundred KiB at any context length.
+  // (in.length = the tile's), so the copies stay 2 x 1024 x head_dim floats at any context length.
   static constexpr bool per_token = true;
   static void score_head(const value_norm_scorer::params& p, const kvevict::cpu::head_inputs& in, float* out) {
     for (std::int64_t n = 0; n < in.length; ++n) {

@@ -58,12 +58,14 @@ struct head_job {
 /// from scorer_impl_base (or head_scorer / window_scorer, which do) gives their defaults:
 ///   static bool full_projection(const params&)   the scratch holds the value projections of
 ///                                                every token (head_scratch::carve full_y)
-///   static constexpr bool hidden_projection      the scratch holds a W_O slice (carve_projection)
+///   static constexpr bool hidden_projection      the scratch holds a W_O slice (carve_projection;
+///                                                with secondary_row, the selection phase's does)
 ///   static constexpr bool full_kv()              the scratch holds fp32 copies of all L keys and
 ///                                                values (default true; the built-ins: tiles)
 ///   static constexpr bool all_queries()          ... and all w window rows of queries (default true)
 ///   static constexpr int64 block_rows_max(w)     the most window rows of one logits block
-///                                                (default min(w, 32); 0 without window attention)
+///                                                (default max(1, min(w, 32)); the built-ins
+///                                                without window attention say 0)
 ///   template <class T> static status check_layer(const params&, const layer_inputs<T>&)
 ///                                                plan-time check against the layer's shapes
 /// head_scorer<Impl> (backends/cpu/scorers/head_scorer.hpp) turns a simple per-head function on
@@ -81,8 +83,10 @@ struct scorer_impl {
 namespace detail {
 /// scorer_impl<Scorer> computes a secondary row on its own:
 ///   template <class T> static void secondary_row(const layer_inputs<T>&, int64 b, int64 hq, int64 L,
-///                                                detail::head_scratch&, float* u /* L */);
-/// (a scorer with secondary_scores that has it gets rows2 = nullptr in score()).
+///                                                int64 t0, int64 t1, detail::head_scratch&,
+///                                                float* u /* t1 - t0: tokens [t0, t1) of L */);
+/// (a scorer with secondary_scores that has it gets rows2 = nullptr in score(); the evictor
+/// calls it per selection row, or per token range for layer_mean).
 template <class Scorer, class = void>
 struct has_secondary_row : std::false_type {};
 template <class Scorer>

@@ -37,7 +37,8 @@ inline std::int64_t block_rows(std::size_t block_bytes, std::int64_t G, std::int
 }
 
 /// Floats of the logits buffer that holds a block of min(rows_max, block_rows(block_bytes, G, L,
-/// w)) rows for every L <= cap (max(G, 2) x rows x L, the most over L; 0 when rows_max is 0).
+/// w)) rows for every L <= cap: max(G, 2) x max(cap, min(rows_max cap, floor(block_bytes /
+/// (4 max(G, 2))))), an upper bound of max(G, 2) x rows x L over L (0 when rows_max is 0).
 inline std::size_t block_logits_floats(std::size_t block_bytes, std::int64_t G, std::int64_t cap, std::int64_t rows_max) {
   if (rows_max <= 0) return 0;
   const std::size_t g2 = static_cast<std::size_t>(std::max<std::int64_t>(G, 2));

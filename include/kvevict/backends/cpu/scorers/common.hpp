@@ -89,8 +89,9 @@ inline float sq_dist_f32(const float* a, const float* b, std::int64_t d) {
 /// K and V are read a tile at a time and the logits of a block of window rows take
 /// block_logits_floats (bounded by the backend's score_block_bytes beyond one row per head), so
 /// only the drift row (rowtmp) and the one-row minimum of the logits grow with the context;
-/// except with options::full_kv (whole K and V copies: a user's head_scorer) or full_y (ReST-KV's
-/// "before" mode: all values and their projections).
+/// except with options::full_kv (whole K and V copies: a user's scorer_impl by default, a
+/// head_scorer over an Impl that is not per_token) or full_y (ReST-KV's "before" mode: all values
+/// and their projections).
 struct head_scratch {
   float* kbuf = nullptr;   // min(cap, attention_key_tile) x d (full_kv: cap x d)
   float* vbuf = nullptr;   // min(cap, max(value_tile, lor_token_tile)) x d (full_kv or full_y: cap x d)

@@ -40,16 +40,17 @@ struct has_check_layer<S, std::void_t<decltype(S::check_layer(std::declval<const
                                                                std::int64_t{}, int{}, int{}))>> : std::true_type {};
 }  // namespace detail
 
-/// See the file comment. Adds no drift (a head_scorer computes no window attention: a policy
-/// that pairs it with spatial::adaptive_window fails to compile unless the scorer declares
-/// window_attention, and then gets drift 0).
 namespace detail {
+/// Impl declares `static constexpr bool per_token = true` (head_scorer may call it on tiles).
 template <class Impl, class = void>
 struct is_per_token : std::false_type {};
 template <class Impl>
 struct is_per_token<Impl, std::enable_if_t<Impl::per_token>> : std::true_type {};
 }  // namespace detail
 
+/// See the file comment. Adds no drift (a head_scorer computes no window attention: a policy
+/// that pairs it with spatial::adaptive_window fails to compile unless the scorer declares
+/// window_attention, and then gets drift 0).
 template <class Impl>
 struct head_scorer : scorer_impl_base {
   /// The scratch holds fp32 copies of all L keys and values (head_scratch::carve full_kv),
