@@ -95,7 +95,8 @@ struct head_scorer : scorer_impl_base {
     const T* kbase = in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1];
     const T* vbase = in.values.data ? in.values.data + b * in.values.stride[0] + h * in.values.stride[1] : nullptr;
     const std::int64_t tile = full_kv() ? std::max<std::int64_t>(L, 1) : attention_key_tile;
-    for (std::int64_t n0 = 0; n0 < L || n0 == 0; n0 += tile) {
+    std::int64_t n0 = 0;
+    do {  // at least once: an empty head is scored too (length 0), as before
       const std::int64_t nt = std::min(tile, L - n0);
       for (std::int64_t r = 0; r < nt; ++r)
         for (std::int64_t c = 0; c < d; ++c)
@@ -109,8 +110,8 @@ struct head_scorer : scorer_impl_base {
       }
       hi.length = nt;
       Impl::score_head(P.scorer, hi, rows + n0);
-      if (L == 0) break;
-    }
+      n0 += tile;
+    } while (n0 < L);
     for (std::int64_t n = 0; n < L; ++n) rows[n] = saturate(rows[n]);
     for (std::int64_t g = 1; g < G; ++g) std::copy(rows, rows + L, rows + g * L);
     for (std::int64_t g = 0; g < G; ++g) drift[g] = 0.0;
