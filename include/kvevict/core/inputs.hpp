@@ -11,6 +11,7 @@
 
 #include "kvevict/core/budget_rules.hpp"
 #include "kvevict/core/numeric.hpp"
+#include "kvevict/core/paged.hpp"
 #include "kvevict/core/selection.hpp"
 #include "kvevict/core/status.hpp"
 #include "kvevict/core/tensor_view.hpp"
@@ -31,6 +32,14 @@ namespace kvevict {
 ///             selection_view::positions for the kept slots. Default: position = slot.
 ///   wo_factor (q_heads, head_dim, head_dim) fp32, row-major R_h with ||R_h x|| = ||x W_O^h||,
 ///             required when the scorer uses W_O (see cpu::compute_wo_factors()).
+///   pages     page_table_view, optional: a PAGED cache (docs/integration.md). keys and values
+///             are then page pools, (num_pages, kv_heads, page_size, head_dim) with any strides
+///             (make_page_pool; NHD, HND, the token index innermost, a head stride of 0 for
+///             pages that hold one head), and the table maps each (sequence, KV head) to its
+///             pages; batch() and capacity() come from the table, the lengths from
+///             pages.last_page_len or from `lengths`. Queries, lengths, positions and the
+///             selection keep their logical shapes: slot t of a head is its t-th token in table
+///             order, the same slot a contiguous cache would give it.
 ///   layer_idx / num_layers: for per-layer budgeters (PyramidKV); 0 <= layer_idx < num_layers.
 ///   wo        (hidden, q_heads * head_dim) in storage type T: the layer's full output projection
 ///             as the model stores it, [out][in] (PyTorch nn.Linear o_proj.weight, llama2.c wo,
@@ -50,15 +59,24 @@ struct layer_inputs {
   std::int32_t layer_idx = 0;
   std::int32_t num_layers = 1;
   strided_view<const T, 2> wo;
+  page_table_view pages;
 
-  std::int64_t batch() const { return keys.extent[0]; }
+  bool paged() const { return pages.indptr != nullptr; }
+  std::int64_t batch() const { return paged() ? pages.batch : keys.extent[0]; }
   std::int64_t kv_heads() const { return keys.extent[1]; }
-  std::int64_t capacity() const { return keys.extent[2]; }
+  /// Slots per head: the seq extent, or max_pages_per_row * page_size for a paged cache.
+  std::int64_t capacity() const { return paged() ? pages.max_pages_per_row * keys.extent[2] : keys.extent[2]; }
   std::int64_t head_dim() const { return keys.extent[3]; }
+  /// Tokens per page of a paged cache (the pool's seq axis).
+  std::int64_t page_size() const { return keys.extent[2]; }
   std::int64_t q_heads() const { return queries.data ? queries.extent[1] : keys.extent[1]; }
   std::int64_t window() const { return queries.data ? queries.extent[2] : 0; }
   std::int64_t group_size() const { return kv_heads() > 0 ? q_heads() / kv_heads() : 0; }
-  std::int64_t length(std::int64_t b, std::int64_t h) const { return length_at(lengths, capacity(), b, h); }
+  /// Valid tokens of (b, h): lengths, else the page table's, else the capacity (host memory).
+  std::int64_t length(std::int64_t b, std::int64_t h) const {
+    if (paged() && !lengths.data) return pages.table_length(pages.row(b, h, kv_heads()), page_size());
+    return length_at(lengths, capacity(), b, h);
+  }
 };
 
 namespace detail {
@@ -114,6 +132,96 @@ struct input_requirements {
   bool per_query_head = false;   ///< gqa_reduction::per_query_head: q_heads comes from the queries
 };
 
+/// The paged form's shapes (no table data read): the pool's extents, the table's batch and
+/// capacity bound, the pointers it needs.
+template <class T>
+inline status validate_page_table_shape(const layer_inputs<T>& in) {
+  const page_table_view& t = in.pages;
+  if (in.keys.extent[0] < 1 || in.keys.extent[2] < 1)
+    return status::error(errc::invalid_argument, "paged keys pool shape (num_pages %lld, kv_heads, page_size %lld, head_dim): num_pages and page_size must be >= 1",
+                         static_cast<long long>(in.keys.extent[0]), static_cast<long long>(in.keys.extent[2]));
+  if (in.keys.extent[0] > 0x7fffffff)
+    return status::error(errc::invalid_argument, "paged keys pool num_pages = %lld exceeds int32 page ids", static_cast<long long>(in.keys.extent[0]));
+  if (t.batch < 1) return status::error(errc::invalid_argument, "pages.batch = %lld must be >= 1", static_cast<long long>(t.batch));
+  if (t.max_pages_per_row < 0 || (t.max_pages_per_row > 0 && t.max_pages_per_row > 0x7fffffff / in.keys.extent[2]))
+    return status::error(errc::invalid_argument, "pages.max_pages_per_row = %lld must be in [0, 2^31 / page_size = %lld]",
+                         static_cast<long long>(t.max_pages_per_row), static_cast<long long>(0x7fffffff / in.keys.extent[2]));
+  if (!t.indices) return status::error(errc::null_pointer, "pages.indices is null (pages.indptr is set)");
+  if (!t.last_page_len && !in.lengths.data)
+    return status::error(errc::null_pointer, "pages.last_page_len is null and layer_inputs::lengths is not set: a paged cache needs one of them for the lengths");
+  return {};
+}
+
+/// The page table's data against the pool and the lengths (host memory; O(rows + pages), and
+/// O(num_pages) bytes of `seen` scratch when seen != null, else no duplicate check): indptr[0] = 0
+/// and non-decreasing, at most max_pages_per_row pages per row, last_page_len in [1, page_size],
+/// lengths within a row's pages (and equal to the table's when both are given), page ids of the
+/// pages that hold tokens in [0, num_pages), no page twice in one row (nor, for per-sequence tables
+/// and per-head tables over pages that hold every head, in two rows). The first error names the row.
+template <class T>
+inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, std::int64_t seen_bytes) {
+  const page_table_view& t = in.pages;
+  const std::int64_t H = in.kv_heads(), R = t.rows(H), P = in.keys.extent[0], ps = in.page_size();
+  if (t.indptr[0] != 0) return status::error(errc::invalid_argument, "pages.indptr[0] = %d must be 0", t.indptr[0]);
+  for (std::int64_t r = 0; r < R; ++r) {
+    const std::int64_t n = t.pages(r);
+    if (n < 0 || n > t.max_pages_per_row)
+      return status::error(errc::invalid_argument, "pages row %lld holds indptr[%lld] - indptr[%lld] = %lld pages, outside [0, max_pages_per_row = %lld]",
+                           static_cast<long long>(r), static_cast<long long>(r + 1), static_cast<long long>(r), static_cast<long long>(n),
+                           static_cast<long long>(t.max_pages_per_row));
+    if (t.last_page_len && n > 0 && (t.last_page_len[r] < 1 || t.last_page_len[r] > ps))
+      return status::error(errc::invalid_argument, "pages.last_page_len[%lld] = %d must be in [1, page_size = %lld]",
+                           static_cast<long long>(r), t.last_page_len[r], static_cast<long long>(ps));
+  }
+  for (std::int64_t b = 0; b < t.batch; ++b)
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t r = t.row(b, h, H);
+      if (in.lengths.data) {
+        const std::int64_t L = in.lengths(b, h);
+        if (t.last_page_len && L != t.table_length(r, ps))
+          return status::error(errc::invalid_argument, "lengths(%lld, %lld) = %lld != the page table's %lld tokens of row %lld ((pages - 1) * page_size + last_page_len)",
+                               static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(L),
+                               static_cast<long long>(t.table_length(r, ps)), static_cast<long long>(r));
+        if (L < 0 || L > t.pages(r) * ps)
+          return status::error(errc::invalid_argument, "lengths(%lld, %lld) = %lld is outside [0, pages * page_size = %lld] of page table row %lld",
+                               static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(L),
+                               static_cast<long long>(t.pages(r) * ps), static_cast<long long>(r));
+      }
+    }
+  // Page ids of the pages that hold tokens; repeats through a bitmap of (page[, head]) slots.
+  const bool head_slots = t.per_head && in.keys.stride[1] != 0;  // per-head rows in pages that span every head
+  const std::int64_t slots = head_slots ? P * H : P;
+  const bool dup_check = seen && seen_bytes >= slots;
+  if (dup_check)
+    for (std::int64_t i = 0; i < slots; ++i) seen[i] = 0;
+  for (std::int64_t r = 0; r < R; ++r) {
+    const std::int64_t b = t.per_head ? r / H : r, h = t.per_head ? r % H : 0;
+    const std::int64_t used = (in.length(b, h) + ps - 1) / ps;
+    for (std::int64_t i = 0; i < used; ++i) {
+      const std::int32_t pg = t.indices[t.indptr[r] + i];
+      if (pg < 0 || pg >= P)
+        return status::error(errc::invalid_argument, "pages.indices[%lld] = %d (row %lld, page %lld) is outside [0, num_pages = %lld)",
+                             static_cast<long long>(t.indptr[r] + i), pg, static_cast<long long>(r), static_cast<long long>(i),
+                             static_cast<long long>(P));
+      if (dup_check) {
+        unsigned char& s = seen[head_slots ? pg * H + h : pg];
+        if (s) return status::error(errc::invalid_argument, "pages.indices[%lld] = %d (row %lld, page %lld) repeats a page already in the table",
+                                    static_cast<long long>(t.indptr[r] + i), pg, static_cast<long long>(r), static_cast<long long>(i));
+        s = 1;
+      }
+    }
+  }
+  return {};
+}
+
+/// Bytes of `seen` scratch check_page_table needs for its duplicate check.
+template <class T>
+inline std::int64_t page_table_check_bytes(const layer_inputs<T>& in) {
+  if (!in.paged()) return 0;
+  const bool head_slots = in.pages.per_head && in.keys.stride[1] != 0;
+  return head_slots ? in.keys.extent[0] * in.kv_heads() : in.keys.extent[0];
+}
+
 /// Shape validation shared by every backend: null pointers, extents, strides, the agreement of
 /// every view with keys, layer_idx / num_layers. The first error names the view and the value.
 /// Reads no data (lengths are checked by the front-end or on the device).
@@ -128,6 +236,7 @@ inline status validate_layer_shapes(const layer_inputs<T>& in, const input_requi
                          static_cast<long long>(in.keys.extent[2]), static_cast<long long>(in.keys.extent[3]));
   if (in.keys.extent[2] > 0x7fffffff)
     return status::error(errc::invalid_argument, "keys seq extent = %lld exceeds int32 indices", static_cast<long long>(in.keys.extent[2]));
+  if (in.paged()) KVEVICT_TRY(validate_page_table_shape(in));
   if (rq.needs_values && !in.values.data)
     return status::error(errc::null_pointer, "values.data is null (scorer %s reads V)", rq.scorer_name);
   if (in.values.data) {
@@ -141,9 +250,9 @@ inline status validate_layer_shapes(const layer_inputs<T>& in, const input_requi
     return status::error(errc::null_pointer, "queries.data is null (scorer %s reads the window queries)", rq.scorer_name);
   if (in.queries.data) {
     KVEVICT_TRY(check_view_strides(in.queries, "queries"));
-    if (in.queries.extent[0] != in.keys.extent[0])
-      return status::error(errc::shape_mismatch, "queries batch = %lld != keys batch = %lld",
-                           static_cast<long long>(in.queries.extent[0]), static_cast<long long>(in.keys.extent[0]));
+    if (in.queries.extent[0] != in.batch())
+      return status::error(errc::shape_mismatch, "queries batch = %lld != %s = %lld", static_cast<long long>(in.queries.extent[0]),
+                           in.paged() ? "pages.batch" : "keys batch", static_cast<long long>(in.batch()));
     if (in.queries.extent[3] != in.keys.extent[3])
       return status::error(errc::shape_mismatch, "queries head_dim = %lld != keys head_dim = %lld",
                            static_cast<long long>(in.queries.extent[3]), static_cast<long long>(in.keys.extent[3]));
@@ -152,9 +261,9 @@ inline status validate_layer_shapes(const layer_inputs<T>& in, const input_requi
                            static_cast<long long>(in.queries.extent[1]), static_cast<long long>(in.keys.extent[1]));
     if (in.queries.extent[2] < 1)
       return status::error(errc::invalid_argument, "window = %lld must be >= 1", static_cast<long long>(in.queries.extent[2]));
-    if (in.queries.extent[2] > in.keys.extent[2])
+    if (in.queries.extent[2] > in.capacity())
       return status::error(errc::invalid_argument, "window = %lld > seq_len = %lld (the window queries' keys must be cached)",
-                           static_cast<long long>(in.queries.extent[2]), static_cast<long long>(in.keys.extent[2]));
+                           static_cast<long long>(in.queries.extent[2]), static_cast<long long>(in.capacity()));
   }
   if (rq.per_query_head && !in.queries.data)
     return status::error(errc::invalid_argument, "gqa = per_query_head needs the queries (for q_heads)");

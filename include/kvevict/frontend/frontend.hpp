@@ -322,10 +322,11 @@ struct frontend {
     KVEVICT_TRY(validate(in, p, budget));
     const std::int64_t S = in.capacity();
     auto len = [&](std::int64_t b, std::int64_t h) -> std::int64_t {
-      return rq.lengths ? static_cast<std::int64_t>(rq.lengths[b * rq.lengths_stride[0] + h * rq.lengths_stride[1]]) : S;
+      if (rq.lengths) return static_cast<std::int64_t>(rq.lengths[b * rq.lengths_stride[0] + h * rq.lengths_stride[1]]);
+      return in.paged() ? in.length(b, h) : S;  // a paged cache's table gives them (host tables)
     };
+    KVEVICT_TRY(backend_check());  // first: it validates a paged cache's table, which len() reads
     if (rq.lengths_known) KVEVICT_TRY(check_length_range(in.batch(), in.kv_heads(), S, len));
-    KVEVICT_TRY(backend_check());
     eviction_plan pl;
     pl.out_heads = out_heads(in, p);
     pl.rows = in.batch() * pl.out_heads;

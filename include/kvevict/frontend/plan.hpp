@@ -43,7 +43,7 @@ struct plan_options {
 /// type: what a plan was made for. run(plan, ...) compares it with its inputs (O(1)) and
 /// rejects inputs of other shapes with errc::invalid_argument.
 struct layer_signature {
-  static constexpr int slots = 2 * (4 + 4 + 4 + 2 + 3 + 3 + 2) + 4;
+  static constexpr int slots = 2 * (4 + 4 + 4 + 2 + 3 + 3 + 2) + 8;
   std::int64_t v[slots] = {};
 
   template <class T>
@@ -52,7 +52,7 @@ struct layer_signature {
                           std::decay_t<decltype(in.values)>::rank + std::decay_t<decltype(in.lengths)>::rank +
                           std::decay_t<decltype(in.positions)>::rank + std::decay_t<decltype(in.wo_factor)>::rank +
                           std::decay_t<decltype(in.wo)>::rank ==
-                      (slots - 4) / 2,
+                      (slots - 8) / 2,
                   "kvevict: layer_signature::slots must count every view of layer_inputs");
     layer_signature s;
     int i = 0;
@@ -74,6 +74,10 @@ struct layer_signature {
     s.v[i++] = in.num_layers;
     s.v[i++] = std::is_same<T, float>::value ? 0 : (std::is_same<T, half_t>::value ? 1 : 2);  // storage type
     s.v[i++] = 0;
+    s.v[i++] = in.paged() ? 1 : 0;  // the page table's shape (its data is checked by run())
+    s.v[i++] = in.paged() ? in.pages.batch : -1;
+    s.v[i++] = in.paged() ? in.pages.max_pages_per_row : -1;
+    s.v[i++] = in.paged() ? (in.pages.per_head ? 1 : 0) + (in.pages.last_page_len ? 2 : 0) : -1;
     return s;
   }
   bool operator==(const layer_signature& o) const {

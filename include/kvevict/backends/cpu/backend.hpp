@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "kvevict/core/inputs.hpp"
 #include "kvevict/core/numeric.hpp"
 #include "kvevict/core/tensor_view.hpp"
 
@@ -115,15 +116,43 @@ inline float max_abs(const cmap_rm& m) {
 /// the scorers stream K and V through tiles instead of holding an fp32 copy of every token.
 /// Values are divided by 2^scale_exp when it is non-zero (an exact power-of-two rescale into a
 /// safe range, see scale_pow2), the same values a whole staged copy would hold.
+///
+/// Rows are either strided from `base` (a contiguous cache: row r at base + r * row_stride), or
+/// paged (pages != null): row r lies in page pages[r / page_size] at offset r % page_size, at
+/// base + pages[r / page_size] * page_stride + (r % page_size) * row_stride. The contiguous
+/// cache is the paged one with a single page, and reads exactly as before.
 template <class T>
 struct row_source {
   const T* base = nullptr;
   std::int64_t row_stride = 0, col_stride = 1, cols = 0;
   int scale_exp = 0;
+  const std::int32_t* pages = nullptr;  ///< page ids in logical order (paged caches), or null
+  std::int64_t page_size = 0;           ///< rows per page (paged)
+  std::int64_t page_stride = 0;         ///< elements between pages (paged)
+  std::int64_t page_offset = 0;         ///< paged: row r is the table's row page_offset + r
 
+  /// First element of row r.
+  const T* row_ptr(std::int64_t r) const {
+    if (!pages) return base + r * row_stride;
+    r += page_offset;
+    return base + static_cast<std::int64_t>(pages[r / page_size]) * page_stride + (r % page_size) * row_stride;
+  }
+  /// The same rows from row t0 on (row r of the result is row t0 + r of this one).
+  row_source from_row(std::int64_t t0) const {
+    row_source s = *this;
+    if (pages) {
+      s.page_offset += t0;
+    } else {
+      s.base += t0 * row_stride;
+    }
+    return s;
+  }
   /// Rows [r0, r0 + n) as an n x cols fp32 row-major matrix: zero-copy when T is float, the
-  /// column stride is 1 and no rescale applies; otherwise widened into buf (n * cols floats).
+  /// column stride is 1, no rescale applies and the rows lie in one page; otherwise widened
+  /// into buf (n * cols floats).
   cmap_rm rows(std::int64_t r0, std::int64_t n, float* buf) const;
+  /// Rows [r0, r0 + n) widened into buf (n * cols floats, row-major), always a copy.
+  void copy_rows(std::int64_t r0, std::int64_t n, float* buf) const;
   /// Element (r, c) as fp32 (rescaled as rows() does).
   float at(std::int64_t r, std::int64_t c) const;
 };
@@ -137,6 +166,15 @@ inline float saturate(double x) {
 
 template <class T>
 cmap_rm row_source<T>::rows(std::int64_t r0, std::int64_t n, float* buf) const {
+  if (pages) {
+    if constexpr (std::is_same<std::remove_const_t<T>, float>::value) {
+      const std::int64_t a = r0 + page_offset;
+      if (scale_exp == 0 && col_stride == 1 && n > 0 && a / page_size == (a + n - 1) / page_size)  // one page
+        return cmap_rm(row_ptr(r0), n, cols, Eigen::OuterStride<>(row_stride));
+    }
+    copy_rows(r0, n, buf);
+    return cmap_rm(buf, n, cols, Eigen::OuterStride<>(cols));
+  }
   if constexpr (std::is_same<std::remove_const_t<T>, float>::value) {
     if (scale_exp == 0 && col_stride == 1 && n > 0) return cmap_rm(base + r0 * row_stride, n, cols, Eigen::OuterStride<>(row_stride));
   }
@@ -151,8 +189,25 @@ cmap_rm row_source<T>::rows(std::int64_t r0, std::int64_t n, float* buf) const {
 }
 
 template <class T>
+void row_source<T>::copy_rows(std::int64_t r0, std::int64_t n, float* buf) const {
+  // Page by page: each page's run of rows is one strided block (stage_rows widens it).
+  for (std::int64_t i = 0; i < n;) {
+    const std::int64_t r = r0 + i;
+    const std::int64_t run = pages ? std::min(n - i, page_size - (r + page_offset) % page_size) : n - i;
+    float* dst = buf + i * cols;
+    const cmap_rm m = stage_rows(row_ptr(r), run, cols, row_stride, col_stride, dst);
+    if (m.data() != dst) map_rm(dst, run, cols, Eigen::OuterStride<>(cols)) = m;
+    i += run;
+  }
+  if (scale_exp != 0) {
+    const double f = std::ldexp(1.0, -scale_exp);
+    for (std::int64_t i = 0; i < n * cols; ++i) buf[i] = static_cast<float>(static_cast<double>(buf[i]) * f);
+  }
+}
+
+template <class T>
 float row_source<T>::at(std::int64_t r, std::int64_t c) const {
-  const float x = to_float(base[r * row_stride + c * col_stride]);
+  const float x = to_float(row_ptr(r)[c * col_stride]);
   return scale_exp == 0 ? x : static_cast<float>(static_cast<double>(x) * std::ldexp(1.0, -scale_exp));
 }
 
@@ -165,11 +220,11 @@ inline float max_abs_rows(const row_source<T>& src, std::int64_t rows) {
   float buf[chunk];
   float mx = 0.0f;
   if constexpr (std::is_same<std::remove_const_t<T>, float>::value) {
-    if (src.col_stride == 1 && src.row_stride == src.cols)  // contiguous rows: one flat reduction
+    if (!src.pages && src.col_stride == 1 && src.row_stride == src.cols)  // contiguous rows: one flat reduction
       return rows > 0 && src.cols > 0 ? Eigen::Map<const Eigen::ArrayXf>(src.base, rows * src.cols).abs().maxCoeff() : 0.0f;
   }
   for (std::int64_t r = 0; r < rows; ++r) {
-    const T* p = src.base + r * src.row_stride;
+    const T* p = src.row_ptr(r);
     if constexpr (std::is_same<std::remove_const_t<T>, float>::value) {
       if (src.col_stride == 1) {
         if (src.cols > 0) mx = std::max(mx, Eigen::Map<const Eigen::ArrayXf>(p, src.cols).abs().maxCoeff());
@@ -183,6 +238,27 @@ inline float max_abs_rows(const row_source<T>& src, std::int64_t rows) {
     }
   }
   return mx;
+}
+
+/// The rows of KV head h of sequence b of a layer's K or V (`v` is in.keys or in.values): strided
+/// from a contiguous cache, or through the page table of a paged one (layer_inputs::pages).
+template <class T>
+inline row_source<T> head_rows(const layer_inputs<T>& in, const kv_view<const T>& v, std::int64_t b, std::int64_t h) {
+  row_source<T> s;
+  s.row_stride = v.stride[2];
+  s.col_stride = v.stride[3];
+  s.cols = v.extent[3];
+  if (!v.data) return s;
+  if (in.paged()) {
+    const std::int64_t r = in.pages.row(b, h, in.kv_heads());
+    s.base = v.data + h * v.stride[1];
+    s.pages = in.pages.indices + in.pages.indptr[r];
+    s.page_size = v.extent[2];
+    s.page_stride = v.stride[0];
+  } else {
+    s.base = v.data + b * v.stride[0] + h * v.stride[1];
+  }
+  return s;
 }
 
 }  // namespace detail

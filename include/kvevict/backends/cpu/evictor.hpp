@@ -46,6 +46,35 @@ inline status scan_finite(const V& v, const char* name, F rows_valid) {
   return {};
 }
 
+/// scan_finite over a paged cache: the rows of every (sequence, KV head) through its page table,
+/// named by logical coordinates (sequence, head, slot, dim) and the page that holds the slot.
+template <class T>
+inline status scan_finite_paged(const layer_inputs<T>& in, const kv_view<const T>& v, const char* name) {
+  for (std::int64_t b = 0; b < in.batch(); ++b)
+    for (std::int64_t h = 0; h < in.kv_heads(); ++h) {
+      const row_source<T> rs = head_rows(in, v, b, h);
+      for (std::int64_t s = 0, L = in.length(b, h); s < L; ++s) {
+        const T* row = rs.row_ptr(s);
+        for (std::int64_t c = 0; c < v.extent[3]; ++c)
+          if (!is_finite_value(row[c * rs.col_stride]))
+            return status::error(errc::non_finite_input, "%s(b=%lld, h=%lld, s=%lld, d=%lld) = %g (page %d) is not finite", name,
+                                 static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(s),
+                                 static_cast<long long>(c), static_cast<double>(to_float(row[c * rs.col_stride])),
+                                 rs.pages[s / rs.page_size]);
+      }
+    }
+  return {};
+}
+
+/// A paged cache's page table against its pool and lengths (kvevict::detail::check_page_table,
+/// with its duplicate check); O(num_pages) bytes of host scratch.
+template <class T>
+inline status check_pages(const layer_inputs<T>& in) {
+  if (!in.paged()) return {};
+  std::vector<unsigned char> seen(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)));
+  return kvevict::detail::check_page_table(in, seen.data(), static_cast<std::int64_t>(seen.size()));
+}
+
 }  // namespace detail
 }  // namespace cpu
 
@@ -90,6 +119,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       if (opt.num_threads < 0)
         return status::error(errc::invalid_argument, "plan_options.num_threads = %d must be >= 0 (0: the backend's default)",
                              opt.num_threads);
+      KVEVICT_TRY(cpu::detail::check_pages(in));
       if constexpr (Scorer::has_scores) {
         // The policy's own table check (check_layer(params, kv_heads, head_dim, layer, num_layers),
         // e.g. LKV-T's host tables), then the CPU implementation's.
@@ -127,8 +157,9 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     // than the plan's: a plan cannot make run() write past the caller's memory.
     const int nt = std::max(1, std::min(pl.num_threads, cpu::detail::max_scratch_threads));
     KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, this->workspace_bytes(in, nt))));
+    KVEVICT_TRY(cpu::detail::check_pages(in));  // a plan may be reused with a new table of the same shape
     auto len = [&](std::int64_t b, std::int64_t h) { return in.length(b, h); };
-    if (in.lengths.data) KVEVICT_TRY(FE::check_length_range(in.batch(), in.kv_heads(), in.capacity(), len));
+    if (in.lengths.data || in.paged()) KVEVICT_TRY(FE::check_length_range(in.batch(), in.kv_heads(), in.capacity(), len));
     KVEVICT_TRY(FE::check_layer_mean_lengths(p_, in.batch(), in.kv_heads(), len));
     if (p_.check_finite) KVEVICT_TRY(check_finite(in));
     const budget_request& budget = pl.budget;
@@ -438,7 +469,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     if (!in.keys.data || in.keys.extent[0] < 1 || in.keys.extent[1] < 1 || in.keys.extent[2] < 0 || in.keys.extent[3] < 1)
       return false;
     if (in.queries.data && (in.queries.extent[1] < 1 || in.queries.extent[1] % in.keys.extent[1] != 0 ||
-                            in.queries.extent[2] < 0 || in.queries.extent[2] > in.keys.extent[2]))
+                            in.queries.extent[2] < 0 || in.queries.extent[2] > in.capacity()))
       return false;
     return true;
   }
@@ -449,8 +480,13 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       *r0 = 0;
       *r1 = in.length(b, h);
     };
-    KVEVICT_TRY(cpu::detail::scan_finite(in.keys, "keys", kv_rows));
-    if (in.values.data && Scorer::needs_values) KVEVICT_TRY(cpu::detail::scan_finite(in.values, "values", kv_rows));
+    if (in.paged()) {
+      KVEVICT_TRY(cpu::detail::scan_finite_paged(in, in.keys, "keys"));
+      if (in.values.data && Scorer::needs_values) KVEVICT_TRY(cpu::detail::scan_finite_paged(in, in.values, "values"));
+    } else {
+      KVEVICT_TRY(cpu::detail::scan_finite(in.keys, "keys", kv_rows));
+      if (in.values.data && Scorer::needs_values) KVEVICT_TRY(cpu::detail::scan_finite(in.values, "values", kv_rows));
+    }
     if (in.queries.data && Scorer::needs_queries) {
       const std::int64_t G = in.group_size(), W = in.window();
       KVEVICT_TRY(cpu::detail::scan_finite(in.queries, "queries", [&](std::int64_t b, std::int64_t hq, std::int64_t* r0, std::int64_t* r1) {

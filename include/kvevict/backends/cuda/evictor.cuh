@@ -183,6 +183,10 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   /// The backend's limits and each stage implementation's plan-time checks.
   template <class T>
   status backend_check(const layer_inputs<T>& in) const {
+    if (in.paged())
+      return status::error(errc::not_supported,
+                           "layer_inputs::pages is set: paged KV caches are not supported by the CUDA backend yet (the CPU "
+                           "backend reads them; docs/integration.md)");
     if (in.head_dim() > cuda::detail::max_head_dim)
       return status::error(errc::not_supported, "head_dim = %lld > %d is not supported by the CUDA backend",
                            static_cast<long long>(in.head_dim()), cuda::detail::max_head_dim);

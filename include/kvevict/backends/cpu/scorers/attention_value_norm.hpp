@@ -80,10 +80,9 @@ struct scorer_impl<scorers::attention_value_norm> : detail::window_scorer<scorer
   static void secondary_row(const layer_inputs<T>& in, std::int64_t b, std::int64_t hq, std::int64_t L, std::int64_t t0,
                             std::int64_t t1, detail::head_scratch& s, float* u) {
     const std::int64_t h = hq / in.group_size();
-    detail::row_source<T> v{in.values.data + b * in.values.stride[0] + h * in.values.stride[1], in.values.stride[2],
-                            in.values.stride[3], in.head_dim()};
+    detail::row_source<T> v = detail::head_rows(in, in.values, b, h);
     v.scale_exp = detail::safe_exponent(detail::max_abs_rows(v, L));  // over the whole head, as score()
-    v.base += t0 * v.row_stride;
+    v = v.from_row(t0);
     detail::value_l1_norms(in, hq, v, t1 - t0, s, u);
   }
 };

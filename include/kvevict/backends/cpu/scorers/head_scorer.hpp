@@ -92,20 +92,15 @@ struct head_scorer : scorer_impl_base {
     }
     // Contiguous fp32 copies of the keys and values: all L tokens at once, or tile by tile for a
     // per_token Impl.
-    const T* kbase = in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1];
-    const T* vbase = in.values.data ? in.values.data + b * in.values.stride[0] + h * in.values.stride[1] : nullptr;
+    const detail::row_source<T> ks = detail::head_rows(in, in.keys, b, h), vs = detail::head_rows(in, in.values, b, h);
     const std::int64_t tile = full_kv() ? std::max<std::int64_t>(L, 1) : attention_key_tile;
     std::int64_t n0 = 0;
     do {  // at least once: an empty head is scored too (length 0), as before
       const std::int64_t nt = std::min(tile, L - n0);
-      for (std::int64_t r = 0; r < nt; ++r)
-        for (std::int64_t c = 0; c < d; ++c)
-          s.kbuf[r * d + c] = to_float(kbase[(n0 + r) * in.keys.stride[2] + c * in.keys.stride[3]]);
+      ks.copy_rows(n0, nt, s.kbuf);
       hi.keys = s.kbuf;
-      if (vbase) {
-        for (std::int64_t r = 0; r < nt; ++r)
-          for (std::int64_t c = 0; c < d; ++c)
-            s.vbuf[r * d + c] = to_float(vbase[(n0 + r) * in.values.stride[2] + c * in.values.stride[3]]);
+      if (vs.base) {
+        vs.copy_rows(n0, nt, s.vbuf);
         hi.values = s.vbuf;
       }
       hi.length = nt;

@@ -26,7 +26,7 @@ struct scorer_impl<scorers::key_norm> : scorer_impl_base {
     const layer_inputs<T>& in = *job.in;
     const std::int64_t L = job.L, d = in.head_dim(), b = job.b, h = job.h;
     const std::int64_t G = in.queries.data ? in.group_size() : 1;
-    const row_source<T> ks{in.keys.data + b * in.keys.stride[0] + h * in.keys.stride[1], in.keys.stride[2], in.keys.stride[3], d};
+    const row_source<T> ks = head_rows(in, in.keys, b, h);
     for (std::int64_t n0 = 0; n0 < L; n0 += attention_key_tile) {  // K staged a tile at a time
       const std::int64_t nt = std::min(attention_key_tile, L - n0);
       const cmap_rm K = ks.rows(n0, nt, s.kbuf);

@@ -33,8 +33,7 @@ struct window_ctx {
       : job(j), in(*j.in), P(*j.p), L(j.L), d(j.in->head_dim()), b(j.b), h(j.h), G(j.in->queries.data ? j.in->group_size() : 1),
         w(j.w), rb(std::max<std::int64_t>(1, std::min(j.rows_per_block, std::min(attention_row_block, std::max<std::int64_t>(j.w, 1))))),
         scale(static_cast<float>(1.0 / std::sqrt(static_cast<double>(j.in->head_dim())))),
-        ksrc{j.in->keys.data + j.b * j.in->keys.stride[0] + j.h * j.in->keys.stride[1], j.in->keys.stride[2], j.in->keys.stride[3],
-             j.in->head_dim()},
+        ksrc(head_rows(*j.in, j.in->keys, j.b, j.h)),
         keys{ksrc, kbuf} {}
   window_ctx(const window_ctx&) = delete;
   const detail::head_job<Policy, T>& job;
@@ -101,10 +100,7 @@ struct window_scorer : scorer_impl_base {
     // Keys of this head, fp32.
     window_ctx<Policy, T> c(job, s.kbuf);
     const std::int64_t w = c.w, rbk = c.rb;
-    {
-      const T* vb = in.values.data ? in.values.data + b * in.values.stride[0] + h * in.values.stride[1] : nullptr;
-      c.vsrc = row_source<T>{vb, in.values.stride[2], in.values.stride[3], d};
-    }
+    c.vsrc = head_rows(in, in.values, b, h);  // base null when the values are not set
     // Temporal weights c_j over the effective window.
     if constexpr (Hooks::last_only) {
       for (std::int64_t j = 0; j < w; ++j) s.st_c[j] = j == w - 1 ? 1.0f : 0.0f;

@@ -1,0 +1,100 @@
+// IWYU pragma: private, include "kvevict/kvevict.hpp"
+// Paged and indirect KV caches: the page table of one layer (FlashInfer's CSR vocabulary:
+// indptr, indices, last_page_len) and its host-side validation. The page pool itself is a
+// kv_view whose axes are read as (num_pages, kv_heads, page_size, head_dim); see
+// layer_inputs::pages and docs/integration.md.
+#pragma once
+
+#include <cstdint>
+
+#include "kvevict/core/config.hpp"
+#include "kvevict/core/status.hpp"
+#include "kvevict/core/tensor_view.hpp"
+
+namespace kvevict {
+
+/// The page table of one layer's paged K/V cache, CSR as in FlashInfer (kv_indptr,
+/// kv_indices, kv_last_page_len). int32 everywhere, host memory on the CPU backend.
+///
+///   rows          = batch (one table per sequence, shared by its KV heads: vLLM, FlashInfer,
+///                   TensorRT-LLM) or batch * kv_heads with per_head (one table per (sequence,
+///                   KV head), row b * kv_heads + h: compactor-vllm, vllm-kvcompress).
+///   indptr        (rows + 1): row r owns indices[indptr[r] .. indptr[r+1]); indptr[0] = 0,
+///                 non-decreasing; a row holds at most max_pages_per_row pages.
+///   indices       (indptr[rows]): page ids into the pool, in logical order: logical slot t of
+///                 row r lies in page indices[indptr[r] + t / page_size] at offset t % page_size.
+///                 Any order (shuffled, non-monotone); a page may not appear twice among the
+///                 pages that hold a row's tokens, nor in two rows of a per-sequence table.
+///   last_page_len (rows), optional: tokens in the row's last page, in [1, page_size] (FlashInfer);
+///                 a row's length is (pages - 1) * page_size + last_page_len (0 without pages).
+///                 Without it the lengths come from layer_inputs::lengths (vLLM's seq_lens with
+///                 a block table: indptr[b] = b * max_blocks_per_seq), which must then be set; with
+///                 both, they must agree.
+///   max_pages_per_row: the capacity bound: layer_inputs::capacity() = max_pages_per_row *
+///                 page_size (vLLM's max_blocks_per_seq; FlashInfer: the largest row).
+///
+/// A token-slot table (SGLang's req_to_token, llama.cpp's cells) is the same view with page size
+/// 1: indices are the slot ids of each sequence's tokens in logical order.
+struct page_table_view {
+  const std::int32_t* indptr = nullptr;
+  const std::int32_t* indices = nullptr;
+  const std::int32_t* last_page_len = nullptr;
+  std::int64_t batch = 0;
+  std::int64_t max_pages_per_row = 0;
+  bool per_head = false;
+
+  KVEVICT_HOST_DEVICE bool empty() const { return indptr == nullptr; }
+  /// Rows of the table for `kv_heads` KV heads.
+  KVEVICT_HOST_DEVICE std::int64_t rows(std::int64_t kv_heads) const { return per_head ? batch * kv_heads : batch; }
+  /// The table row of (sequence b, KV head h).
+  KVEVICT_HOST_DEVICE std::int64_t row(std::int64_t b, std::int64_t h, std::int64_t kv_heads) const {
+    return per_head ? b * kv_heads + h : b;
+  }
+  /// Pages of row r.
+  KVEVICT_HOST_DEVICE std::int64_t pages(std::int64_t r) const { return static_cast<std::int64_t>(indptr[r + 1]) - indptr[r]; }
+  /// Tokens of row r from the table (needs last_page_len).
+  KVEVICT_HOST_DEVICE std::int64_t table_length(std::int64_t r, std::int64_t page_size) const {
+    const std::int64_t n = pages(r);
+    return n > 0 ? (n - 1) * page_size + last_page_len[r] : 0;
+  }
+};
+
+/// A per-sequence page table (FlashInfer's paged_kv_t: one table per sequence, every KV head in
+/// the same pages).
+inline page_table_view make_page_table(const std::int32_t* indptr, const std::int32_t* indices,
+                                       const std::int32_t* last_page_len, std::int64_t batch,
+                                       std::int64_t max_pages_per_row) {
+  page_table_view t;
+  t.indptr = indptr;
+  t.indices = indices;
+  t.last_page_len = last_page_len;
+  t.batch = batch;
+  t.max_pages_per_row = max_pages_per_row;
+  return t;
+}
+
+/// A page pool view, (num_pages, kv_heads, page_size, head_dim) in the given layout:
+///  - nhd: [num_pages][page_size][kv_heads][head_dim] (vLLM, FlashInfer NHD)
+///  - hnd: [num_pages][kv_heads][page_size][head_dim] (FlashInfer HND, TensorRT-LLM)
+/// For a combined K/V pool ([num_pages][2][...], FlashInfer's single tensor) pass the K and V
+/// halves as two views with twice the page stride (fill extent and stride yourself); for pages
+/// that hold one KV head's tokens (per_head tables) see page_pool_per_head().
+template <class T>
+KVEVICT_HOST_DEVICE inline kv_view<T> make_page_pool(T* data, std::int64_t num_pages, std::int64_t kv_heads,
+                                                     std::int64_t page_size, std::int64_t head_dim, kv_layout layout) {
+  return make_kv_view(data, num_pages, kv_heads, page_size, head_dim, layout);
+}
+
+/// A pool of pages that each hold one KV head's tokens ([num_pages][page_size][head_dim]),
+/// addressed by per-(sequence, KV head) tables: the view's head axis has stride 0 (every head
+/// reads its own pages through its own table row).
+template <class T>
+KVEVICT_HOST_DEVICE inline kv_view<T> page_pool_per_head(T* data, std::int64_t num_pages, std::int64_t kv_heads,
+                                                         std::int64_t page_size, std::int64_t head_dim) {
+  kv_view<T> v = make_kv_view(data, num_pages, std::int64_t{1}, page_size, head_dim, kv_layout::hnd);
+  v.extent[1] = kv_heads;
+  v.stride[1] = 0;
+  return v;
+}
+
+}  // namespace kvevict

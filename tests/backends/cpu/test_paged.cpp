@@ -1,0 +1,271 @@
+// Paged and indirect KV caches on the CPU backend (layer_inputs::pages): every preset reads its
+// keys and values through a page table and gives exactly the selection (and bit for bit the
+// scores) of the contiguous view of the same data: page sizes 1, 16 and 64; shuffled,
+// non-monotone page ids with unused pages between them; NHD, HND and token-innermost pools;
+// fp32, fp16 and bf16; ragged batches; one table per sequence (lengths from `lengths` or from
+// last_page_len) or per (sequence, KV head) over pages that hold one head or every head. And the
+// page table's bad input: clear errors, outputs untouched.
+#include <doctest/doctest.h>
+
+#include <kvevict/cpu.hpp>
+#include <kvevict/presets.hpp>
+
+#include "reference/harness.hpp"
+#include "reference/paged.hpp"
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace kv = kvevict;
+
+namespace {
+
+/// Random LKV tables for one layer of `heads` KV heads (num_layers 1).
+struct lkv_tables {
+  std::vector<float> mlp, logits;
+  lkv_tables(std::int64_t heads, std::int64_t d, int hid, std::uint64_t seed) {
+    kvtest::rng r(seed);
+    const std::int64_t block = hid * 2 * d + 2 * hid + 1;
+    for (std::int64_t i = 0; i < heads * block; ++i) mlp.push_back(static_cast<float>(0.5 * r.normal()));
+    for (std::int64_t i = 0; i < heads; ++i) logits.push_back(static_cast<float>(r.normal()));
+  }
+  template <class P>
+  void apply(P& p, std::int64_t heads, std::int64_t d, int hid) const {
+    if constexpr (std::is_same<std::decay_t<decltype(p.scorer)>, kv::scorers::learned_mlp::params>::value) {
+      p.scorer.weights = mlp.data();
+      p.scorer.num_layers = 1;
+      p.scorer.kv_heads = static_cast<std::int32_t>(heads);
+      p.scorer.head_dim = static_cast<std::int32_t>(d);
+      p.scorer.hidden = hid;
+    }
+    if constexpr (std::is_same<std::decay_t<decltype(p.budgeter)>, kv::budgeters::headwise_learned::params>::value) {
+      p.budgeter.logits = logits.data();
+      p.budgeter.num_layers = 1;
+      p.budgeter.kv_heads = static_cast<std::int32_t>(heads);
+      p.budgeter.num_tokens = 150;  // ragged head lengths: the budgets of a 150-token context
+    }
+  }
+};
+
+struct paged_case {
+  std::int64_t page_size = 16;
+  kvtest::pool_layout pool = kvtest::pool_layout::nhd;
+  bool per_head = false, one_head_pages = false, last_page_len = true;
+  std::uint64_t seed = 1;
+};
+
+template <class Policy, class T>
+void check_paged_equals_contiguous(const char* name, const kvtest::stored<T>& st, const typename Policy::params& params,
+                                   const paged_case& pc) {
+  kvtest::paged_copy<T> pg;
+  kvtest::make_paged(st.in, pc.page_size, pc.pool, pc.per_head, pc.one_head_pages, pc.seed, pg, pc.last_page_len);
+  kv::evictor<Policy, kv::cpu::backend> ev(params);
+  for (double f : {0.15, 0.5}) {
+    const auto a = kvtest::run_lib(ev, st.in, kv::budget_request::fraction(f));
+    const auto b = kvtest::run_lib(ev, pg.in, kv::budget_request::fraction(f));
+    INFO(std::string(name) << " page_size " << pc.page_size << " pool " << std::string(kvtest::to_string(pc.pool)) << " per_head " << pc.per_head
+              << " one_head_pages " << pc.one_head_pages << " last_page_len " << pc.last_page_len << " keep " << f << ": "
+              << std::string(a.st.message()) << " | " << std::string(b.st.message()));
+    REQUIRE(a.st.ok());
+    REQUIRE(b.st.ok());
+    CHECK(a.indptr == b.indptr);
+    CHECK(a.indices == b.indices);
+    CHECK(a.positions == b.positions);
+    // scores bit for bit over each row's valid slots (the capacities may differ)
+    bool same = true;
+    for (std::int64_t r = 0; r < a.rows; ++r) {
+      const std::int64_t L = st.in.length(r / ev.out_heads(st.in), (r % ev.out_heads(st.in)) * st.in.kv_heads() / ev.out_heads(st.in));
+      same = same && std::memcmp(a.row_scores(r), b.row_scores(r), static_cast<std::size_t>(L) * sizeof(float)) == 0;
+    }
+    CHECK(same);
+  }
+}
+
+template <class T>
+void check_every_preset(const paged_case& pc, kvtest::layout src_layout, std::vector<std::int32_t> lens, std::int64_t group = 2,
+                        kv::gqa_reduction gqa = kv::gqa_reduction::mean) {
+  kvtest::shape sh;
+  sh.batch = 2, sh.kv_heads = 2, sh.group = group, sh.cap = 150, sh.d = 16, sh.window = 8, sh.hidden = 32;
+  kvtest::problem p = kvtest::make_problem(sh, 900 + pc.seed, 1.0, 1.5, 1.0, lens);
+  kvtest::quantize<T>(p);
+  kvtest::quantize_wo<T>(p);
+  kvtest::stored<T> st;
+  kvtest::store(p, src_layout, st);
+  auto run = [&](auto tag, const char* name) {
+    using P = typename decltype(tag)::type;
+    auto params = P::defaults();
+    params.gqa = gqa;
+    check_paged_equals_contiguous<P, T>(name, st, params, pc);
+  };
+  run(std::common_type<kv::presets::restkv>{}, "restkv");
+  run(std::common_type<kv::presets::snapkv>{}, "snapkv");
+  run(std::common_type<kv::presets::pyramidkv>{}, "pyramidkv");
+  run(std::common_type<kv::presets::adakv>{}, "adakv");
+  run(std::common_type<kv::presets::criticalkv>{}, "criticalkv");
+  run(std::common_type<kv::presets::critical_adakv>{}, "critical_adakv");
+  run(std::common_type<kv::presets::h2o>{}, "h2o");
+  run(std::common_type<kv::presets::tova>{}, "tova");
+  run(std::common_type<kv::presets::streaming_llm>{}, "streaming_llm");
+  run(std::common_type<kv::presets::key_norm>{}, "key_norm");
+  const int hid = 4;
+  const lkv_tables tabs(sh.kv_heads, sh.d, hid, 5 + pc.seed);
+  auto run_lkv = [&](auto tag, const char* name) {
+    using P = typename decltype(tag)::type;
+    auto params = P::defaults();
+    tabs.apply(params, sh.kv_heads, sh.d, hid);
+    params.gqa = gqa;
+    check_paged_equals_contiguous<P, T>(name, st, params, pc);
+  };
+  run_lkv(std::common_type<kv::presets::lkv>{}, "lkv");
+  run_lkv(std::common_type<kv::presets::lkv_uniform_budgets>{}, "lkv_uniform_budgets");
+  run_lkv(std::common_type<kv::presets::lkv_budgets_restkv>{}, "lkv_budgets_restkv");
+  run_lkv(std::common_type<kv::presets::lkv_budgets_attention>{}, "lkv_budgets_attention");
+}
+
+}  // namespace
+
+TEST_CASE("paged: every preset through a per-sequence page table equals the contiguous view (ragged lengths)") {
+  const std::vector<std::int32_t> ragged = {150, 97, 33, 150};
+  std::uint64_t seed = 1;
+  for (std::int64_t ps : {1, 16, 64})
+    for (auto pool : {kvtest::pool_layout::nhd, kvtest::pool_layout::hnd, kvtest::pool_layout::token_innermost}) {
+      paged_case pc{ps, pool, false, false, false, seed++};
+      check_every_preset<float>(pc, kvtest::layout::hnd, ragged);
+    }
+  check_every_preset<kv::half_t>({16, kvtest::pool_layout::nhd, false, false, false, seed++}, kvtest::layout::nhd, ragged);
+  check_every_preset<kv::bfloat16_t>({64, kvtest::pool_layout::hnd, false, false, false, seed++}, kvtest::layout::interleaved, ragged);
+  check_every_preset<kv::bfloat16_t>({1, kvtest::pool_layout::token_innermost, false, false, false, seed++}, kvtest::layout::padded, ragged);
+}
+
+TEST_CASE("paged: lengths from last_page_len (FlashInfer's table), equal lengths per sequence, layer_mean and per_query_head") {
+  const std::vector<std::int32_t> per_seq = {150, 150, 61, 61};
+  std::uint64_t seed = 40;
+  for (std::int64_t ps : {1, 16, 64}) {
+    check_every_preset<float>({ps, kvtest::pool_layout::hnd, false, false, true, seed++}, kvtest::layout::nhd, per_seq);
+    check_every_preset<kv::half_t>({ps, kvtest::pool_layout::nhd, false, false, true, seed++}, kvtest::layout::hnd, per_seq, 2,
+                                   kv::gqa_reduction::layer_mean);
+  }
+  check_every_preset<float>({16, kvtest::pool_layout::nhd, false, false, true, seed++}, kvtest::layout::hnd, per_seq, 2,
+                            kv::gqa_reduction::per_query_head);
+  check_every_preset<float>({16, kvtest::pool_layout::hnd, false, false, true, seed++}, kvtest::layout::hnd, per_seq, 1);
+}
+
+TEST_CASE("paged: per-(sequence, KV head) page tables over one-head pages and over pages spanning every head") {
+  const std::vector<std::int32_t> ragged = {150, 97, 33, 150};
+  std::uint64_t seed = 70;
+  for (std::int64_t ps : {1, 16, 64}) {
+    check_every_preset<float>({ps, kvtest::pool_layout::nhd, true, true, true, seed++}, kvtest::layout::hnd, ragged);
+    check_every_preset<kv::bfloat16_t>({ps, kvtest::pool_layout::hnd, true, false, true, seed++}, kvtest::layout::hnd, ragged);
+  }
+  check_every_preset<kv::half_t>({16, kvtest::pool_layout::token_innermost, true, true, true, seed++}, kvtest::layout::nhd, ragged);
+}
+
+namespace {
+
+/// run() on bad paged inputs: the error's code and a fragment of its message, the selection and
+/// the scores untouched (plan() gives the same error).
+template <class Policy>
+void check_paged_error(const kv::layer_inputs<float>& in, kv::errc code, const std::string& fragment) {
+  kv::evictor<Policy, kv::cpu::backend> ev;
+  std::vector<std::int32_t> indptr(64, -7), idx(4096, -7);
+  std::vector<float> scores(4096 * 4, -7.0f);
+  kv::selection_view sel{indptr.data(), idx.data(), nullptr, 4096};
+  const kv::status st = ev.run(in, kv::budget_request::fraction(0.3), sel, scores.data());
+  INFO(std::string(st.message()));
+  CHECK(st.code() == code);
+  CHECK(std::string(st.message()).find(fragment) != std::string::npos);
+  for (auto x : indptr) CHECK(x == -7);
+  for (auto x : idx) REQUIRE(x == -7);
+  for (auto x : scores) REQUIRE(x == -7.0f);
+  kv::eviction_plan pl;
+  if (code != kv::errc::non_finite_input) CHECK(ev.plan(in, kv::budget_request::fraction(0.3), &pl).code() == code);  // plan reads no K/V
+}
+
+}  // namespace
+
+TEST_CASE("paged: bad page tables are named errors and leave the outputs untouched") {
+  kvtest::shape sh;
+  sh.batch = 2, sh.kv_heads = 2, sh.group = 2, sh.cap = 40, sh.d = 8, sh.window = 4;
+  kvtest::problem p = kvtest::make_problem(sh, 3, 1.0, 1.0, 1.0, {40, 40, 21, 21});
+  kvtest::stored<float> st;
+  kvtest::store(p, kvtest::layout::hnd, st);
+  kvtest::paged_copy<float> pg;
+  kvtest::make_paged(st.in, 16, kvtest::pool_layout::nhd, false, false, 9, pg, true);
+  using snap = kv::presets::snapkv;
+  {
+    kv::evictor<snap, kv::cpu::backend> ev;
+    REQUIRE(kvtest::run_lib(ev, pg.in, kv::budget_request::fraction(0.3)).st.ok());
+  }
+  auto with = [&](auto edit) {
+    kvtest::paged_copy<float> q = pg;
+    q.in.keys.data = q.kpool.data();
+    q.in.values.data = q.vpool.data();
+    q.in.pages.indptr = q.indptr.data();
+    q.in.pages.indices = q.indices.data();
+    q.in.pages.last_page_len = q.last_page_len.empty() ? nullptr : q.last_page_len.data();
+    edit(q);
+    return q;
+  };
+  {  // a page id outside the pool
+    auto q = with([](kvtest::paged_copy<float>& c) { c.indices[1] = static_cast<std::int32_t>(c.num_pages); });
+    check_paged_error<snap>(q.in, kv::errc::invalid_argument, "is outside [0, num_pages");
+  }
+  {  // a negative page id
+    auto q = with([](kvtest::paged_copy<float>& c) { c.indices[0] = -1; });
+    check_paged_error<snap>(q.in, kv::errc::invalid_argument, "pages.indices[0] = -1");
+  }
+  {  // a page twice: in two sequences, and twice in one sequence
+    auto q = with([](kvtest::paged_copy<float>& c) { c.indices[3] = c.indices[0]; });
+    check_paged_error<snap>(q.in, kv::errc::invalid_argument, "repeats a page");
+    auto r = with([](kvtest::paged_copy<float>& c) { c.indices[1] = c.indices[0]; });
+    check_paged_error<snap>(r.in, kv::errc::invalid_argument, "repeats a page");
+  }
+  {  // last_page_len outside [1, page_size]
+    auto q = with([](kvtest::paged_copy<float>& c) { c.last_page_len[1] = 0; });
+    check_paged_error<snap>(q.in, kv::errc::invalid_argument, "pages.last_page_len[1] = 0 must be in [1, page_size = 16]");
+    auto r = with([](kvtest::paged_copy<float>& c) { c.last_page_len[0] = 17; });
+    check_paged_error<snap>(r.in, kv::errc::invalid_argument, "pages.last_page_len[0] = 17");
+  }
+  {  // lengths that disagree with the table, and lengths beyond a row's pages
+    std::vector<std::int32_t> lens = {40, 40, 20, 21};
+    auto q = with([&](kvtest::paged_copy<float>& c) { c.in.lengths = kv::per_head_lengths(lens.data(), 2, 2); });
+    check_paged_error<snap>(q.in, kv::errc::invalid_argument, "lengths(1, 0) = 20 != the page table's 21 tokens");
+    std::vector<std::int32_t> long_lens = {40, 49, 21, 21};
+    auto r = with([&](kvtest::paged_copy<float>& c) {
+      c.in.lengths = kv::per_head_lengths(long_lens.data(), 2, 2);
+      c.in.pages.last_page_len = nullptr;
+    });
+    check_paged_error<snap>(r.in, kv::errc::invalid_argument, "lengths(0, 1) = 49 is outside [0, pages * page_size = 48]");
+  }
+  {  // indptr: not starting at 0, decreasing, more pages than max_pages_per_row
+    auto q = with([](kvtest::paged_copy<float>& c) { c.indptr[0] = 1; });
+    check_paged_error<snap>(q.in, kv::errc::invalid_argument, "pages.indptr[0] = 1 must be 0");
+    auto r = with([](kvtest::paged_copy<float>& c) { c.indptr[1] = 5; });
+    check_paged_error<snap>(r.in, kv::errc::invalid_argument, "outside [0, max_pages_per_row = 3]");
+    auto s = with([](kvtest::paged_copy<float>& c) { c.in.pages.max_pages_per_row = 2; });
+    check_paged_error<snap>(s.in, kv::errc::invalid_argument, "outside [0, max_pages_per_row = 2]");
+  }
+  {  // shapes: no indices, no lengths source, page size 0, batch 0, queries of another batch
+    auto q = with([](kvtest::paged_copy<float>& c) { c.in.pages.indices = nullptr; });
+    check_paged_error<snap>(q.in, kv::errc::null_pointer, "pages.indices is null");
+    auto r = with([](kvtest::paged_copy<float>& c) { c.in.pages.last_page_len = nullptr; });
+    check_paged_error<snap>(r.in, kv::errc::null_pointer, "pages.last_page_len is null and layer_inputs::lengths is not set");
+    auto s = with([](kvtest::paged_copy<float>& c) { c.in.keys.extent[2] = 0; c.in.values.extent[2] = 0; });
+    check_paged_error<snap>(s.in, kv::errc::invalid_argument, "num_pages and page_size must be >= 1");
+    auto t = with([](kvtest::paged_copy<float>& c) { c.in.pages.batch = 0; });
+    check_paged_error<snap>(t.in, kv::errc::invalid_argument, "pages.batch = 0 must be >= 1");
+    auto u = with([](kvtest::paged_copy<float>& c) { c.in.pages.batch = 1; });
+    check_paged_error<snap>(u.in, kv::errc::shape_mismatch, "queries batch = 2 != pages.batch = 1");
+  }
+  {  // a NaN in a page that holds a token is named by its logical slot and its page
+    auto q = with([](kvtest::paged_copy<float>& c) {
+      const std::int64_t pgid = c.indices[2];  // sequence 0's third page: slots 32..39
+      c.kpool[static_cast<std::size_t>(pgid * 16 * 2 * 8 + (35 - 32) * 2 * 8 + 1 * 8 + 4)] = std::nanf("");
+    });
+    check_paged_error<snap>(q.in, kv::errc::non_finite_input, "keys(b=0, h=1, s=35, d=4)");
+  }
+}
