@@ -10,6 +10,7 @@
 #include "kvevict/backends/cpu/backend.hpp"
 #include "kvevict/backends/cpu/budgeters/adakv.hpp"
 #include "kvevict/backends/cpu/compact.hpp"
+#include "kvevict/backends/cpu/compact_paged.hpp"
 #include "kvevict/backends/cpu/evictor.hpp"
 #include "kvevict/backends/cpu/impl.hpp"
 #include "kvevict/backends/cpu/scorers.hpp"

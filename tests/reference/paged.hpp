@@ -52,10 +52,12 @@ struct paged_copy {
 ///    every sequence has the same length and with_last_page_len is set.
 ///  - per_head = true: one table per (sequence, KV head) with last_page_len; one_head_pages: pages
 ///    hold one head (the pool's head stride is 0), else pages span every head.
-/// Unused pool slots are NaN; page ids are shuffled with `seed`, with `spare` unused pages.
+/// Unused pool slots are NaN; page ids are shuffled with `seed` (or descending with `reversed`),
+/// with `spare` unused pages.
 template <class T>
 void make_paged(const kvevict::layer_inputs<T>& src, std::int64_t page_size, pool_layout l, bool per_head, bool one_head_pages,
-                std::uint64_t seed, paged_copy<T>& out, bool with_last_page_len = true, std::int64_t spare = 3) {
+                std::uint64_t seed, paged_copy<T>& out, bool with_last_page_len = true, std::int64_t spare = 3,
+                bool reversed = false) {
   const std::int64_t B = src.batch(), H = src.kv_heads(), d = src.head_dim(), ps = page_size;
   const std::int64_t R = per_head ? B * H : B;
   std::vector<std::int64_t> row_len(static_cast<std::size_t>(R));
@@ -80,7 +82,11 @@ void make_paged(const kvevict::layer_inputs<T>& src, std::int64_t page_size, poo
   std::vector<std::int32_t> ids(static_cast<std::size_t>(P));
   std::iota(ids.begin(), ids.end(), 0);
   std::mt19937_64 g(seed);
-  std::shuffle(ids.begin(), ids.end(), g);
+  if (reversed) {  // descending ids: every kept token moves into a page at a higher address, read later
+    std::reverse(ids.begin(), ids.end());
+  } else {
+    std::shuffle(ids.begin(), ids.end(), g);
+  }
   out.indices.assign(ids.begin(), ids.begin() + total);
   out.num_pages = P;
   out.page_size = ps;

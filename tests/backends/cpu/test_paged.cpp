@@ -11,6 +11,7 @@
 #include <kvevict/presets.hpp>
 
 #include "reference/harness.hpp"
+#include "reference/lkv_tables.hpp"
 #include "reference/paged.hpp"
 
 #include <cstdint>
@@ -23,33 +24,6 @@
 namespace kv = kvevict;
 
 namespace {
-
-/// Random LKV tables for one layer of `heads` KV heads (num_layers 1).
-struct lkv_tables {
-  std::vector<float> mlp, logits;
-  lkv_tables(std::int64_t heads, std::int64_t d, int hid, std::uint64_t seed) {
-    kvtest::rng r(seed);
-    const std::int64_t block = hid * 2 * d + 2 * hid + 1;
-    for (std::int64_t i = 0; i < heads * block; ++i) mlp.push_back(static_cast<float>(0.5 * r.normal()));
-    for (std::int64_t i = 0; i < heads; ++i) logits.push_back(static_cast<float>(r.normal()));
-  }
-  template <class P>
-  void apply(P& p, std::int64_t heads, std::int64_t d, int hid) const {
-    if constexpr (std::is_same<std::decay_t<decltype(p.scorer)>, kv::scorers::learned_mlp::params>::value) {
-      p.scorer.weights = mlp.data();
-      p.scorer.num_layers = 1;
-      p.scorer.kv_heads = static_cast<std::int32_t>(heads);
-      p.scorer.head_dim = static_cast<std::int32_t>(d);
-      p.scorer.hidden = hid;
-    }
-    if constexpr (std::is_same<std::decay_t<decltype(p.budgeter)>, kv::budgeters::headwise_learned::params>::value) {
-      p.budgeter.logits = logits.data();
-      p.budgeter.num_layers = 1;
-      p.budgeter.kv_heads = static_cast<std::int32_t>(heads);
-      p.budgeter.num_tokens = 150;  // ragged head lengths: the budgets of a 150-token context
-    }
-  }
-};
 
 struct paged_case {
   std::int64_t page_size = 16;
@@ -112,7 +86,7 @@ void check_every_preset(const paged_case& pc, kvtest::layout src_layout, std::ve
   run(std::common_type<kv::presets::streaming_llm>{}, "streaming_llm");
   run(std::common_type<kv::presets::key_norm>{}, "key_norm");
   const int hid = 4;
-  const lkv_tables tabs(sh.kv_heads, sh.d, hid, 5 + pc.seed);
+  const kvtest::lkv_tables tabs(sh.kv_heads, sh.d, hid, 5 + pc.seed);
   auto run_lkv = [&](auto tag, const char* name) {
     using P = typename decltype(tag)::type;
     auto params = P::defaults();
