@@ -5,19 +5,23 @@
 //   query_log             captures the RoPE-rotated queries of forward() through on_query
 //   layer_state           the engine state one eviction of one layer sees
 //   evict_layer<Policy>() kvevict::evictor<Policy, cpu::backend> on one layer, then in-place compaction
-//   apply_selection()     compacts one layer in place from a CSR selection (kvevict::cpu::compact)
+//   apply_selection()     compacts one layer in place from a CSR selection (kvevict::cpu::compact; a paged
+//                         cache: kvevict::cpu::compact_paged, freed pages back to the cache, paged_layer.hpp)
 //   method                a named "evict one layer" function (a row of the fidelity report)
 //   eviction_session      one sequence: one-shot / chunked prefill eviction, decode-time cap, multi-turn
 //
 // Slots and positions: compaction moves kept rows down (slots change) and keeps their logical positions
 // (kv_cache::positions), so RoPE-rotated keys stay valid. kv_cache::next_position never changes on
-// eviction. Papers: ReST-KV (An et al., ICLR 2026), SnapKV, PyramidKV, AdaKV, H2O, TOVA, StreamingLLM
+// eviction. A paged kv_cache (kv_cache.hpp, session_options::page_size) is read by kvevict through its page
+// pools and per-KV-head page tables (layer_inputs::pages); the selections are logical slots either way, so the
+// contiguous and the paged cache keep the same tokens. Papers: ReST-KV (An et al., ICLR 2026), SnapKV, PyramidKV, AdaKV, H2O, TOVA, StreamingLLM
 // (see kvevict/presets.hpp).
 #pragma once
 
 #include "forward.hpp"
 #include "kv_cache.hpp"
 #include "model.hpp"
+#include "paged_layer.hpp"
 
 #include <kvevict/cpu.hpp>
 
@@ -132,7 +136,8 @@ struct layer_state {
 
 /// Compacts layer `layer` of `cache` in place from a CSR selection with n_kv_heads rows
 /// (indptr[h]..indptr[h+1] are the kept slots of head h, strictly ascending, each < length): keys,
-/// values and positions move with kvevict::cpu::compact, then len[h] = kept count.
+/// values and positions move with kvevict::cpu::compact, then len[h] = kept count. A paged cache goes
+/// through compact_layer_paged() (kvevict::cpu::compact_paged; the pages left empty return to the free list).
 /// Errors (cache unchanged): malformed selection (named by kvevict's status message).
 inline result apply_selection(kv_cache& cache, int layer, const std::int32_t* indptr, const std::int32_t* indices) {
     const int H = cache.n_kv_heads();
@@ -146,14 +151,11 @@ inline result apply_selection(kv_cache& cache, int layer, const std::int32_t* in
                 return result::failure("apply_selection: layer " + std::to_string(layer) + " head " + std::to_string(h) +
                                        ": kept slots must be strictly ascending in 0.." + std::to_string(cache.length(layer, h) - 1));
     }
+    if (cache.paged()) return compact_layer_paged(cache, layer, indptr, indices);
     const kvevict::const_selection_view sel(indptr, indices, H);
     auto kv = [&](float* p) { return kvevict::make_kv_view(p, 1, H, cache.capacity(), cache.head_dim(), kvevict::kv_layout::hnd); };
     const kvevict::kv_view<float> k = kv(cache.keys(layer)), v = kv(cache.values(layer));
-    // positions (n_kv_heads, capacity) seen as (1, n_kv_heads, capacity, 1) rows of one int32
-    kvevict::kv_view<std::int32_t> p;
-    p.data = cache.positions(layer);
-    p.extent[0] = 1; p.extent[1] = H; p.extent[2] = cache.capacity(); p.extent[3] = 1;
-    p.stride[0] = std::int64_t(H) * cache.capacity(); p.stride[1] = cache.capacity(); p.stride[2] = 1; p.stride[3] = 1;
+    const kvevict::kv_view<std::int32_t> p = positions_rows(cache, layer);  // (1, n_kv_heads, capacity, 1) rows of one int32
     for (const auto& pr : {std::make_pair(k, "keys"), std::make_pair(v, "values")}) {
         const kvevict::status s = kvevict::cpu::compact<float>(pr.first, sel, pr.first);
         if (!s.ok()) return result::failure(std::string("apply_selection: ") + pr.second + ": " + s.message());
@@ -167,8 +169,9 @@ inline result apply_selection(kv_cache& cache, int layer, const std::int32_t* in
 
 /// Runs kvevict::evictor<Policy, kvevict::cpu::backend> with params `p` on layer `s.layer` of
 /// `*s.cache` and compacts it in place.
-/// Inputs built: keys/values = HND views over the whole capacity, lengths = per-head lengths
-/// (kvevict::per_head_lengths), positions = kvevict::make_positions_view, queries = the last `window`
+/// Inputs built (set_cache_inputs): keys/values = HND views over the whole capacity (paged cache: the
+/// layer's pools of one-head pages with pages = its per-KV-head page table, kvevict::page_pool_per_head),
+/// lengths = per-head lengths (kvevict::per_head_lengths), positions = kvevict::make_positions_view, queries = the last `window`
 /// queries of s.queries (window < 0: all held, as H2O wants; 0: none), wo_factor = s.wo's view when
 /// non-null, wo = the model's W_O of the layer for scorers that read it (CriticalKV), layer_idx /
 /// num_layers from the model.
@@ -186,10 +189,8 @@ result evict_layer(const layer_state& s, const typename Policy::params& p, int w
         return result::failure("evict_layer: layer " + std::to_string(s.layer) + " outside 0.." + std::to_string(c.n_layers() - 1));
     const int l = s.layer, H = c.n_kv_heads();
     kvevict::layer_inputs<float> in;
-    in.keys = kvevict::make_kv_view<const float>(c.keys(l), 1, H, c.capacity(), c.head_dim(), kvevict::kv_layout::hnd);
-    in.values = kvevict::make_kv_view<const float>(c.values(l), 1, H, c.capacity(), c.head_dim(), kvevict::kv_layout::hnd);
-    in.lengths = kvevict::per_head_lengths(c.lengths(l), 1, H);
-    in.positions = kvevict::make_positions_view(c.positions(l), 1, H, c.capacity());
+    layer_page_table table;
+    set_cache_inputs(in, c, l, table);
     if (s.queries && window != 0) in.queries = s.queries->view(l, window);
     if (s.wo && !s.wo->empty()) in.wo_factor = s.wo->view(l);
     if constexpr (kvevict::detail::scorer_needs_wo_matrix<typename Policy::scorer>::value) {
@@ -255,6 +256,9 @@ struct session_options {
     /// B + decode_interval slots while generating. Needs budget.keep_tokens.
     int decode_interval = 0;
     int num_threads = 1;             ///< kvevict CPU threads
+    /// > 0: the session's kv_cache is paged with this many slots per page (kv_cache.hpp); evictions then
+    /// free pages (kvevict::cpu::compact_paged). 0: contiguous.
+    int page_size = 0;
 };
 
 /// One sequence with eviction. All state (cache, captured queries, counters) is per session; reset()
@@ -265,9 +269,10 @@ struct session_options {
 class eviction_session {
 public:
     /// `capacity`: slots per head of the session's kv_cache (one-shot: prompt + generated tokens;
-    /// chunked / decode cap: budget + chunk / interval suffices). `m` and `wo` must outlive the session.
+    /// chunked / decode cap: budget + chunk / interval suffices; o.page_size > 0: a paged cache).
+    /// `m` and `wo` must outlive the session.
     eviction_session(const model& m, const wo_factors& wo, method meth, session_options o, int capacity)
-        : m_(&m), wo_(&wo), meth_(std::move(meth)), opt_(o), cache_(m.cfg, capacity),
+        : m_(&m), wo_(&wo), meth_(std::move(meth)), opt_(o), cache_(m.cfg, capacity, o.page_size),
           log_(m.cfg, meth_.window < 0 ? -1 : std::max(meth_.window, 1)) {}
     eviction_session(const eviction_session&) = delete;
     eviction_session& operator=(const eviction_session&) = delete;

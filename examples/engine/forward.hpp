@@ -80,7 +80,7 @@ inline result forward(const model& m, kv_cache& cache, int token, std::vector<fl
     const float scale = 1.0f / std::sqrt(float(hd));
 
     vector x = m.tok_emb.row(token).transpose(), xb(c.dim), q, k, v, o(c.dim), h1, h3;
-    std::vector<float> scores;
+    std::vector<float> scores, kbuf, vbuf;  // kbuf/vbuf: a head's rows gathered from a paged cache
     for (int l = 0; l < c.n_layers; ++l) {
         const layer_weights& w = m.layers[size_t(l)];
         detail::rmsnorm(xb, x, w.rms_att);
@@ -94,8 +94,9 @@ inline result forward(const model& m, kv_cache& cache, int token, std::vector<fl
 
         for (int h = 0; h < c.n_heads; ++h) {
             const int kvh = h / group, len = cache.length(l, kvh);
-            Eigen::Map<const matrix> K(cache.key(l, kvh, 0), len, hd);  // rows are slots (slot_stride == hd)
-            Eigen::Map<const matrix> V(cache.value(l, kvh, 0), len, hd);
+            // rows are slots (slot_stride == hd); a paged cache gathers the head's pages into kbuf / vbuf
+            Eigen::Map<const matrix> K(cache.head_keys(l, kvh, kbuf), len, hd);
+            Eigen::Map<const matrix> V(cache.head_values(l, kvh, vbuf), len, hd);
             scores.resize(size_t(len));
             Eigen::Map<vector> s(scores.data(), len);
             s.noalias() = (K * q.segment(h * hd, hd)) * scale;

@@ -1,7 +1,11 @@
 // kvevict_engine example CLI: continue a prompt with the stories260K model, optionally evicting the KV cache.
 // Usage: generate [--model DIR] [--prompt TEXT] [--steps N] [--temperature T] [--seed S]
-//                 [--evict restkv|snapkv|h2o|streaming_llm --keep X [--chunk N] [--interval N]]
+//                 [--evict restkv|snapkv|pyramidkv|adakv|h2o|tova|streaming_llm --keep X [--chunk N] [--interval N]
+//                  [--paged [--page-size N]]]
 //                 [--evict lkv --keep R [--lkv-mode a|b] [--interval S] [--artifact FILE]]
+// --paged: the KV cache is paged (one-head pages of --page-size slots, per-KV-head page tables; kv_cache.hpp),
+// evictions free pages (kvevict::cpu::compact_paged), and the pages in use before and after every layer's
+// eviction go to stderr.
 // Build: g++ -std=c++17 -O2 -Iinclude -I/usr/include/eigen3 -DKVEVICT_SOURCE_DIR="\"$PWD\"" examples/engine/generate_main.cpp -o /tmp/generate
 #include "evict.hpp"
 #include "forward.hpp"
@@ -12,7 +16,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
+#include <vector>
 
 using namespace kvevict_engine;
 
@@ -26,7 +32,8 @@ int usage(const char* argv0, const std::string& why) {
                  "  --steps N        tokens to generate (default 64)\n"
                  "  --temperature T  0 = greedy (default 0)\n"
                  "  --seed S         RNG seed for sampling (default 42)\n"
-                 "  --evict NAME     evict the KV cache with a kvevict preset: restkv, snapkv, h2o, streaming_llm,\n"
+                 "  --evict NAME     evict the KV cache with a kvevict preset: restkv, snapkv, pyramidkv, adakv, h2o, tova,\n"
+                 "                   streaming_llm,\n"
                  "                   or lkv (learned budgets + scorer, artifacts/lkv; docs/lkv.md) (default: none)\n"
                  "  --keep X         per-head budget: a fraction in (0, 1), or a token count >= 1 (required with --evict);\n"
                  "                   lkv: the global keep ratio R (or tokens per head on average)\n"
@@ -35,7 +42,11 @@ int usage(const char* argv0, const std::string& why) {
                  "                   lkv mode b: recompute budgets and evict every N generated tokens (default 1)\n"
                  "  --lkv-mode M     lkv decoding: a = budgets fixed at prefill, generated tokens appended;\n"
                  "                   b = budgets track the tokens seen, heads over budget drop (default a)\n"
-                 "  --artifact FILE  lkv tables (default: $KVEVICT_LKV_ARTIFACT, else <repo>/artifacts/lkv/stories260K.lkv)\n",
+                 "  --artifact FILE  lkv tables (default: $KVEVICT_LKV_ARTIFACT, else <repo>/artifacts/lkv/stories260K.lkv)\n"
+                 "  --paged          paged KV cache: pages of one KV head, a page table per KV head; evictions free pages\n"
+                 "                   and print the pages in use before -> after per layer and head to stderr\n"
+                 "                   (presets only, not lkv)\n"
+                 "  --page-size N    slots per page with --paged (default 16)\n",
                  argv0);
     return 2;
 }
@@ -55,9 +66,12 @@ int main(int argc, char** argv) {
     double keep = 0;
     int chunk = 0, interval = 0;
     std::string lkv_mode, artifact_flag;  // lkv_mode empty: b
+    bool paged = false;
+    int page_size = 0;  // 0: not given (16 with --paged)
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "-h" || a == "--help") return usage(argv[0], "");
+        if (a == "--paged") { paged = true; continue; }
         if (i + 1 >= argc) return usage(argv[0], "missing value for " + a);
         const char* v = argv[++i];
         double x = 0;
@@ -89,6 +103,9 @@ int main(int argc, char** argv) {
             lkv_mode = v;
         } else if (a == "--artifact") {
             artifact_flag = v;
+        } else if (a == "--page-size") {
+            if (!parse_number(v, x) || x < 1 || x > 1e6 || x != double(long(x))) return usage(argv[0], "--page-size needs a count in 1..1000000");
+            page_size = int(x);
         } else return usage(argv[0], "unknown option " + a);
     }
 
@@ -105,7 +122,10 @@ int main(int argc, char** argv) {
     }
 
     const std::vector<int> tokens = tok.encode(prompt);
+    if (page_size > 0 && !paged) return usage(argv[0], "--page-size needs --paged");
+    if (paged && page_size == 0) page_size = 16;
     if (evict_name == "lkv") {
+        if (paged) return usage(argv[0], "--paged applies to the kvevict presets; the lkv session keeps a contiguous cache");
         if (!(keep > 0)) return usage(argv[0], "--evict lkv needs --keep");
         if (chunk > 0) return usage(argv[0], "--chunk does not apply to lkv (its prefill is layer-wise)");
         if (lkv_mode == "a" && interval > 0) return usage(argv[0], "--interval applies to --lkv-mode b only");
@@ -166,6 +186,9 @@ int main(int argc, char** argv) {
     meth.name = "none";
     if (evict_name == "restkv") meth = policy_method<kvevict::presets::restkv>("ReST-KV");
     else if (evict_name == "snapkv") meth = policy_method<kvevict::presets::snapkv>("SnapKV");
+    else if (evict_name == "pyramidkv") meth = policy_method<kvevict::presets::pyramidkv>("PyramidKV");
+    else if (evict_name == "adakv") meth = policy_method<kvevict::presets::adakv>("AdaKV");
+    else if (evict_name == "tova") meth = policy_method<kvevict::presets::tova>("TOVA");
     else if (evict_name == "h2o") meth = policy_method<kvevict::presets::h2o>("H2O", kvevict::presets::h2o::defaults(), -1);
     else if (evict_name == "streaming_llm") meth = policy_method<kvevict::presets::streaming_llm>("StreamingLLM", kvevict::presets::streaming_llm::defaults(), 0);
     else if (!evict_name.empty() && evict_name != "none") return usage(argv[0], "--evict: unknown method '" + evict_name + "'");
@@ -177,6 +200,23 @@ int main(int argc, char** argv) {
     so.chunk = chunk;
     so.decode_interval = interval;
     so.budget = keep >= 1 ? kvevict::budget_request::tokens(std::int32_t(keep)) : kvevict::budget_request::fraction(keep);
+    so.page_size = paged ? page_size : 0;
+    if (paged && evicting) {
+        // Report every layer's pages in use before -> after its eviction (per KV head).
+        auto inner = meth.evict;
+        auto round = std::make_shared<int>(0);
+        meth.evict = [inner, round](const layer_state& st) {
+            const kv_cache& c = *st.cache;
+            std::vector<int> before(size_t(c.n_kv_heads())), after(before.size());
+            for (int h = 0; h < c.n_kv_heads(); ++h) before[size_t(h)] = c.pages_in_use(st.layer, h);
+            const result r = inner(st);
+            if (!r) return r;
+            for (int h = 0; h < c.n_kv_heads(); ++h) after[size_t(h)] = c.pages_in_use(st.layer, h);
+            if (st.layer == 0) ++*round;
+            std::fprintf(stderr, "[eviction %d] pages in use: %s\n", *round, pages_line(st.layer, before, after).c_str());
+            return r;
+        };
+    }
     wo_factors wo;
     if (evicting)
         if (result r = wo.compute(m); !r) {
@@ -217,6 +257,13 @@ int main(int argc, char** argv) {
             for (int h = 0; h < c.n_kv_heads(); ++h) kept += c.length(l, h);
         std::fprintf(stderr, "[%s: %d evictions, KV slots now %ld of %ld (all layers and heads), peak %d per head]\n", meth.name.c_str(),
                      session.evictions(), kept, long(c.next_position) * c.n_layers() * c.n_kv_heads(), session.max_length_seen());
+    }
+    if (paged) {
+        const kv_cache& c = session.cache();
+        long used = 0;
+        for (int l = 0; l < c.n_layers(); ++l) used += c.pages_in_use(l);
+        std::fprintf(stderr, "[paged cache: page size %d, %d pages per layer pool, %ld pages in use now (all layers), %ld KiB of K+V pages]\n",
+                     c.page_size(), c.num_pages(), used, used * c.page_size() * c.head_dim() * 2 * long(sizeof(float)) / 1024);
     }
     if (int(tokens.size()) + generated > m.cfg.seq_len)
         std::fprintf(stderr, "note: ran past the model's training context (%d tokens)\n", m.cfg.seq_len);

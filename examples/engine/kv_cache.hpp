@@ -11,9 +11,9 @@
 
 namespace kvevict_engine {
 
-/// KV cache for all layers.
+/// KV cache for all layers, contiguous (the default) or paged.
 ///
-/// Layout per layer (HND), all strides in elements:
+/// Contiguous mode, layout per layer (HND), all strides in elements:
 ///   keys / values: contiguous fp32, shape (n_kv_heads, capacity, head_dim);
 ///                  element (h, s, d) at h * head_stride() + s * slot_stride() + d.
 ///   lengths:       int32 (n_kv_heads): valid slots of each head; slots len[h]..capacity-1 are garbage.
@@ -23,6 +23,19 @@ namespace kvevict_engine {
 /// head by moving kept rows (keys, values, positions) down in order and writing the kept count to len[h].
 /// Heads (and layers) may hold different lengths. `next_position` is the logical position of the next
 /// token and is independent of the lengths (it never decreases on eviction).
+///
+/// Paged mode (kv_cache(config, capacity, page_size) or init_paged()): every layer owns a pool of
+/// num_pages() pages of page_size() slots that each hold ONE KV head's tokens, [num_pages][page_size][head_dim]
+/// for keys and the same for values (keys(l) / values(l) are the pool bases), and a page table per KV head:
+/// slot s of head h lies in page page_ids(l, h)[s / page_size] at row s % page_size. A head holds exactly
+/// ceil(len[h] / page_size) pages: append() takes a page from the layer's free list when the head's last page
+/// is full, and shrinking a head (compact_head, set_length, release_pages) returns its tail pages, so
+/// head-wise budgets free real pages. The pool has n_kv_heads * ceil(capacity / page_size) pages (every head
+/// can reach the capacity at once); capacity is rounded up to a multiple of the page size. Lengths and
+/// positions stay as in the contiguous mode (positions: a contiguous (n_kv_heads, capacity) array).
+/// key(l, h, s) / value(l, h, s) address through the table; rows of one head are contiguous only within a
+/// page, so code that reads a head's rows as one matrix uses head_keys() / head_values() (a gather to
+/// scratch in paged mode, the cache itself in contiguous mode). head_stride() is meaningless there.
 class kv_cache {
 public:
     kv_cache() = default;
@@ -30,6 +43,11 @@ public:
     kv_cache(int n_layers, int n_kv_heads, int head_dim, int capacity) { init(n_layers, n_kv_heads, head_dim, capacity); }
     /// Cache shaped for model config `c` with `capacity` slots per head.
     kv_cache(const config& c, int capacity) : kv_cache(c.n_layers, c.n_kv_heads, c.head_dim(), capacity) {}
+    /// Paged cache shaped for `c` (page_size >= 1 slots per page; page_size <= 0: contiguous).
+    kv_cache(const config& c, int capacity, int page_size) {
+        if (page_size > 0) init_paged(c.n_layers, c.n_kv_heads, c.head_dim(), capacity, page_size);
+        else init(c.n_layers, c.n_kv_heads, c.head_dim(), capacity);
+    }
 
     void init(int n_layers, int n_kv_heads, int head_dim, int capacity) {
         n_layers_ = n_layers; n_kv_heads_ = n_kv_heads; head_dim_ = head_dim; capacity_ = capacity;
@@ -37,11 +55,34 @@ public:
         layers_.assign(size_t(n_layers), layer{std::vector<float>(kv), std::vector<float>(kv),
                                                std::vector<std::int32_t>(size_t(n_kv_heads), 0),
                                                std::vector<std::int32_t>(size_t(n_kv_heads) * size_t(capacity), 0)});
+        page_size_ = 0;
+        max_pages_ = 0;
         next_position = 0;
     }
-    /// Empties every head and sets next_position = 0 (memory is kept; contents become garbage).
+    /// Paged mode: per layer a pool of n_kv_heads * ceil(capacity / page_size) one-head pages, every page
+    /// free, all lengths 0; capacity() becomes capacity rounded up to a multiple of page_size.
+    /// Precondition: page_size >= 1, capacity >= 0.
+    void init_paged(int n_layers, int n_kv_heads, int head_dim, int capacity, int page_size) {
+        const int maxp = (std::max(capacity, 0) + page_size - 1) / page_size;
+        n_layers_ = n_layers; n_kv_heads_ = n_kv_heads; head_dim_ = head_dim; capacity_ = maxp * page_size;
+        page_size_ = page_size;
+        max_pages_ = maxp;
+        const size_t P = size_t(n_kv_heads) * size_t(maxp), kv = P * size_t(page_size) * size_t(head_dim);
+        layers_.assign(size_t(n_layers), layer{std::vector<float>(kv), std::vector<float>(kv),
+                                               std::vector<std::int32_t>(size_t(n_kv_heads), 0),
+                                               std::vector<std::int32_t>(size_t(n_kv_heads) * size_t(capacity_), 0)});
+        for (auto& l : layers_) {
+            l.table.assign(P, -1);
+            l.npages.assign(size_t(n_kv_heads), 0);
+        }
+        free_all_pages();
+        next_position = 0;
+    }
+    /// Empties every head and sets next_position = 0 (memory is kept; contents become garbage; paged: every
+    /// page back on the free list, in the initial order).
     void reset() {
         for (auto& l : layers_) std::fill(l.len.begin(), l.len.end(), 0);
+        if (paged()) free_all_pages();
         next_position = 0;
     }
 
@@ -49,17 +90,57 @@ public:
     int n_kv_heads() const { return n_kv_heads_; }
     int head_dim() const { return head_dim_; }
     int capacity() const { return capacity_; }
-    /// Elements between consecutive heads in keys()/values() (= capacity * head_dim).
+    /// True for a paged cache (init_paged).
+    bool paged() const { return page_size_ > 0; }
+    /// Paged: slots per page; 0 for a contiguous cache.
+    int page_size() const { return page_size_; }
+    /// Paged: pages in each layer's pool (n_kv_heads * capacity / page_size); 0 for a contiguous cache.
+    int num_pages() const { return n_kv_heads_ * max_pages_; }
+    /// Paged: the most pages one head can hold (capacity / page_size).
+    int max_pages_per_head() const { return max_pages_; }
+    /// Paged: pages head h of layer l holds (= ceil(len / page_size)); 0 for a contiguous cache.
+    int pages_in_use(int l, int h) const { return paged() ? layers_[size_t(l)].npages[size_t(h)] : 0; }
+    /// Paged: pages layer l holds over all its heads.
+    int pages_in_use(int l) const {
+        int n = 0;
+        for (int h = 0; h < n_kv_heads_; ++h) n += pages_in_use(l, h);
+        return n;
+    }
+    /// Paged: free pages in layer l's pool.
+    int free_pages(int l) const { return paged() ? int(layers_[size_t(l)].free.size()) : 0; }
+    /// Paged: the page ids of head h of layer l in logical order (pages_in_use(l, h) of them).
+    const std::int32_t* page_ids(int l, int h) const { return layers_[size_t(l)].table.data() + size_t(h) * size_t(max_pages_); }
+    /// Paged: gives head h of layer l's pages beyond its first `keep` back to the free list (the next page
+    /// taken is then the first of them).
+    /// Error if keep is outside 0..pages_in_use(l, h) or would not hold the head's length.
+    result release_pages(int l, int h, int keep) {
+        layer& L = layers_[size_t(l)];
+        const int n = L.npages[size_t(h)];
+        if (!paged() || keep < 0 || keep > n || std::int64_t(keep) * page_size_ < L.len[size_t(h)])
+            return result::failure("release_pages: layer " + std::to_string(l) + " head " + std::to_string(h) + ": keep " +
+                                   std::to_string(keep) + " of " + std::to_string(n) + " pages cannot hold " +
+                                   std::to_string(L.len[size_t(h)]) + " slots");
+        std::int32_t* t = L.table.data() + size_t(h) * size_t(max_pages_);
+        for (int i = n - 1; i >= keep; --i) {
+            L.free.push_back(t[i]);
+            t[i] = -1;
+        }
+        L.npages[size_t(h)] = keep;
+        return result::success();
+    }
+
+    /// Elements between consecutive heads in keys()/values() (= capacity * head_dim). Contiguous mode only.
     std::int64_t head_stride() const { return std::int64_t(capacity_) * head_dim_; }
     /// Elements between consecutive slots of one head in keys()/values() (= head_dim).
     std::int64_t slot_stride() const { return head_dim_; }
     /// Elements between consecutive heads in positions() (= capacity).
     std::int64_t position_head_stride() const { return capacity_; }
 
-    /// Base pointer of layer `l` keys, shape (n_kv_heads, capacity, head_dim), post-RoPE. Precondition: valid l.
+    /// Base pointer of layer `l` keys, shape (n_kv_heads, capacity, head_dim), post-RoPE (paged: the page
+    /// pool, [num_pages][page_size][head_dim]). Precondition: valid l.
     float* keys(int l) { return layers_[size_t(l)].k.data(); }
     const float* keys(int l) const { return layers_[size_t(l)].k.data(); }
-    /// Base pointer of layer `l` values, shape (n_kv_heads, capacity, head_dim).
+    /// Base pointer of layer `l` values, shape (n_kv_heads, capacity, head_dim) (paged: the page pool).
     float* values(int l) { return layers_[size_t(l)].v.data(); }
     const float* values(int l) const { return layers_[size_t(l)].v.data(); }
     /// Layer `l` per-head valid lengths, int32 (n_kv_heads). Writable: the eviction code sets kept counts.
@@ -69,30 +150,56 @@ public:
     std::int32_t* positions(int l) { return layers_[size_t(l)].pos.data(); }
     const std::int32_t* positions(int l) const { return layers_[size_t(l)].pos.data(); }
 
-    /// Convenience accessors: row of slot `s` of KV head `h` in layer `l` (head_dim floats).
-    float* key(int l, int h, int s) { return keys(l) + h * head_stride() + s * slot_stride(); }
-    const float* key(int l, int h, int s) const { return keys(l) + h * head_stride() + s * slot_stride(); }
-    float* value(int l, int h, int s) { return values(l) + h * head_stride() + s * slot_stride(); }
-    const float* value(int l, int h, int s) const { return values(l) + h * head_stride() + s * slot_stride(); }
+    /// Convenience accessors: row of slot `s` of KV head `h` in layer `l` (head_dim floats). Paged: through
+    /// the head's page table (s must lie in one of its pages: s < pages_in_use(l, h) * page_size).
+    float* key(int l, int h, int s) { return keys(l) + row_offset(l, h, s); }
+    const float* key(int l, int h, int s) const { return keys(l) + row_offset(l, h, s); }
+    float* value(int l, int h, int s) { return values(l) + row_offset(l, h, s); }
+    const float* value(int l, int h, int s) const { return values(l) + row_offset(l, h, s); }
+    /// Slots 0..len-1 of head h's keys as one row-major (len, head_dim) matrix: the cache itself in
+    /// contiguous mode; paged, the rows gathered page by page into `scratch` (resized). For attention code.
+    const float* head_keys(int l, int h, std::vector<float>& scratch) const { return head_rows(keys(l), l, h, scratch); }
+    /// As head_keys() for the values.
+    const float* head_values(int l, int h, std::vector<float>& scratch) const { return head_rows(values(l), l, h, scratch); }
     int length(int l, int h) const { return layers_[size_t(l)].len[size_t(h)]; }
     int position(int l, int h, int s) const { return layers_[size_t(l)].pos[size_t(h) * size_t(capacity_) + size_t(s)]; }
-    /// Sets len[h] of layer l. Error if n is outside 0..capacity.
+    /// Sets len[h] of layer l. Error if n is outside 0..capacity (paged: outside 0..the slots of the head's
+    /// pages; a shorter length returns the pages it no longer needs to the free list).
     result set_length(int l, int h, int n) {
         if (n < 0 || n > capacity_) return result::failure("set_length: " + std::to_string(n) + " outside 0.." + std::to_string(capacity_));
+        if (paged()) {
+            const int have = layers_[size_t(l)].npages[size_t(h)];
+            if (std::int64_t(n) > std::int64_t(have) * page_size_)
+                return result::failure("set_length: " + std::to_string(n) + " slots exceed the " + std::to_string(have) +
+                                       " pages head " + std::to_string(h) + " of layer " + std::to_string(l) + " holds");
+            layers_[size_t(l)].len[size_t(h)] = n;
+            return release_pages(l, h, (n + page_size_ - 1) / page_size_);
+        }
         layers_[size_t(l)].len[size_t(h)] = n;
         return result::success();
     }
 
     /// Appends one token to layer `l`: for every KV head h writes slot len[h] with k/v (each kv_dim floats,
     /// head-major: head h at [h*head_dim, (h+1)*head_dim)) and `position`, then increments len[h].
-    /// Error (nothing written) if any head of the layer is full.
+    /// Paged: a head whose last page is full first takes a page from the layer's free list.
+    /// Error (nothing written) if any head of the layer is full (or, paged, the free list runs short).
     result append(int l, const float* k, const float* v, std::int32_t position) {
         layer& L = layers_[size_t(l)];
-        for (int h = 0; h < n_kv_heads_; ++h)
+        int need = 0;
+        for (int h = 0; h < n_kv_heads_; ++h) {
             if (L.len[size_t(h)] >= capacity_)
                 return result::failure("kv_cache full: layer " + std::to_string(l) + " head " + std::to_string(h) +
                                        " holds " + std::to_string(capacity_) + " slots (capacity)");
+            if (paged() && std::int64_t(L.len[size_t(h)]) == std::int64_t(L.npages[size_t(h)]) * page_size_) ++need;
+        }
+        if (need > int(L.free.size()))
+            return result::failure("kv_cache: layer " + std::to_string(l) + " needs " + std::to_string(need) + " pages, " +
+                                   std::to_string(L.free.size()) + " free");
         for (int h = 0; h < n_kv_heads_; ++h) {
+            if (paged() && std::int64_t(L.len[size_t(h)]) == std::int64_t(L.npages[size_t(h)]) * page_size_) {
+                L.table[size_t(h) * size_t(max_pages_) + size_t(L.npages[size_t(h)]++)] = L.free.back();
+                L.free.pop_back();
+            }
             const int s = L.len[size_t(h)]++;
             std::memcpy(key(l, h, s), k + size_t(h) * size_t(head_dim_), sizeof(float) * size_t(head_dim_));
             std::memcpy(value(l, h, s), v + size_t(h) * size_t(head_dim_), sizeof(float) * size_t(head_dim_));
@@ -102,7 +209,8 @@ public:
     }
 
     /// Reference in-place compaction of one head: keeps slots `keep[0..n)` (strictly increasing, each < len)
-    /// by moving their key/value rows and positions down to slots 0..n-1, then sets len = n.
+    /// by moving their key/value rows and positions down to slots 0..n-1, then sets len = n (paged: the
+    /// pages past ceil(n / page_size) go back to the free list).
     /// Error (nothing changed) if `keep` is not strictly increasing or out of range.
     result compact_head(int l, int h, const std::int32_t* keep, int n) {
         const int len = length(l, h);
@@ -116,8 +224,7 @@ public:
             std::memmove(value(l, h, i), value(l, h, keep[i]), sizeof(float) * size_t(head_dim_));
             pos[i] = pos[keep[i]];
         }
-        layers_[size_t(l)].len[size_t(h)] = n;
-        return result::success();
+        return set_length(l, h, n);
     }
 
     /// Logical position of the next token to be processed (advanced by forward()).
@@ -127,8 +234,39 @@ private:
     struct layer {
         std::vector<float> k, v;
         std::vector<std::int32_t> len, pos;
+        // paged mode only
+        std::vector<std::int32_t> table;   // (n_kv_heads, max_pages): head h's page ids, -1 past npages[h]
+        std::vector<std::int32_t> npages;  // (n_kv_heads): pages each head holds
+        std::vector<std::int32_t> free;    // free page ids; the next page taken is free.back()
     };
-    int n_layers_ = 0, n_kv_heads_ = 0, head_dim_ = 0, capacity_ = 0;
+    std::int64_t row_offset(int l, int h, int s) const {
+        if (!paged()) return h * head_stride() + s * slot_stride();
+        const std::int32_t page = layers_[size_t(l)].table[size_t(h) * size_t(max_pages_) + size_t(s / page_size_)];
+        return (std::int64_t(page) * page_size_ + s % page_size_) * head_dim_;
+    }
+    const float* head_rows(const float* base, int l, int h, std::vector<float>& scratch) const {
+        if (!paged()) return base + h * head_stride();
+        const int len = length(l, h);
+        scratch.resize(size_t(std::max(len, 1)) * size_t(head_dim_));
+        const std::int32_t* t = page_ids(l, h);
+        for (int s = 0; s < len; s += page_size_) {
+            const int rows = std::min(page_size_, len - s);
+            std::memcpy(scratch.data() + size_t(s) * size_t(head_dim_), base + std::int64_t(t[s / page_size_]) * page_size_ * head_dim_,
+                        sizeof(float) * size_t(rows) * size_t(head_dim_));
+        }
+        return scratch.data();
+    }
+    void free_all_pages() {
+        for (auto& l : layers_) {
+            std::fill(l.table.begin(), l.table.end(), -1);
+            std::fill(l.npages.begin(), l.npages.end(), 0);
+            // ids n-1 .. 0: the first pages taken are 0, 1, 2, ... (heads interleave, so a head's pages are
+            // not adjacent in the pool)
+            l.free.resize(size_t(num_pages()));
+            for (int i = 0; i < num_pages(); ++i) l.free[size_t(i)] = num_pages() - 1 - i;
+        }
+    }
+    int n_layers_ = 0, n_kv_heads_ = 0, head_dim_ = 0, capacity_ = 0, page_size_ = 0, max_pages_ = 0;
     std::vector<layer> layers_;
 };
 

@@ -11,11 +11,13 @@
 //       layer-wise order also has once the layer is done; the equality test uses LKV.)
 //   evict_layer_kv<Policy>(ev, cache, layer, budget)
 //       one layer of a kv_cache through kvevict::evictor<Policy, cpu::backend> without window
-//       queries, then in-place compaction (kv_cache::compact_head).
+//       queries, then in-place compaction (kv_cache::compact_head; a paged cache: compact_layer_paged,
+//       which frees the pages a head no longer needs).
 //   live_kv_bytes(cache)
 //       bytes of the VALID slots (sum of lengths * 2 * head_dim * 4): the memory a cache that
 //       grows and shrinks with its contents (paged/block caches) would hold. kv_cache itself
-//       preallocates `capacity` slots for every layer, so its allocation does not show it.
+//       preallocates `capacity` slots for every layer, so its allocation does not show it (a paged
+//       kv_cache holds pages of page_size slots instead: kv_cache::pages_in_use).
 //
 // Peak KV bytes: prefill() then evict peaks at n_layers * T * kv_heads * head_dim * 8 bytes;
 // layerwise_prefill peaks at (one full layer) + (the already evicted layers), reported in
@@ -25,6 +27,7 @@
 #include "forward.hpp"
 #include "kv_cache.hpp"
 #include "model.hpp"
+#include "paged_layer.hpp"
 
 #include <kvevict/cpu.hpp>
 
@@ -86,7 +89,7 @@ inline result layerwise_prefill(const model& m, kv_cache& cache, const std::vect
     std::vector<vector> X(static_cast<size_t>(T));
     for (int i = 0; i < T; ++i) X[size_t(i)] = m.tok_emb.row(tokens[size_t(i)]).transpose();
     vector xb(c.dim), q, k, v, o(c.dim), h1, h3;
-    std::vector<float> scores;
+    std::vector<float> scores, kbuf, vbuf;  // kbuf/vbuf: a head's rows gathered from a paged cache
     for (int l = 0; l < c.n_layers; ++l) {
         const layer_weights& w = m.layers[size_t(l)];
         for (int i = 0; i < T; ++i) {
@@ -103,8 +106,8 @@ inline result layerwise_prefill(const model& m, kv_cache& cache, const std::vect
             peak = std::max(peak, live);
             for (int h = 0; h < c.n_heads; ++h) {
                 const int kvh = h / group, len = cache.length(l, kvh);
-                Eigen::Map<const matrix> K(cache.key(l, kvh, 0), len, hd);
-                Eigen::Map<const matrix> V(cache.value(l, kvh, 0), len, hd);
+                Eigen::Map<const matrix> K(cache.head_keys(l, kvh, kbuf), len, hd);  // paged: gathered to kbuf
+                Eigen::Map<const matrix> V(cache.head_values(l, kvh, vbuf), len, hd);
                 scores.resize(size_t(len));
                 Eigen::Map<vector> s(scores.data(), len);
                 s.noalias() = (K * q.segment(h * hd, hd)) * scale;
@@ -148,12 +151,10 @@ result evict_layer_kv(const kvevict::evictor<Policy, kvevict::cpu::backend>& ev,
     if (ev.params().gqa == kvevict::gqa_reduction::per_query_head)
         return result::failure("evict_layer_kv: per_query_head selections do not fit a KV-head cache");
     if (layer < 0 || layer >= cache.n_layers()) return result::failure("evict_layer_kv: layer " + std::to_string(layer) + " out of range");
-    const int H = cache.n_kv_heads(), hd = cache.head_dim(), cap = cache.capacity();
+    const int H = cache.n_kv_heads();
     kvevict::layer_inputs<float> in;
-    in.keys = kvevict::make_kv_view<const float>(cache.keys(layer), 1, H, cap, hd, kvevict::kv_layout::hnd);
-    in.values = kvevict::make_kv_view<const float>(cache.values(layer), 1, H, cap, hd, kvevict::kv_layout::hnd);
-    in.lengths = kvevict::per_head_lengths(cache.lengths(layer), 1, H);
-    in.positions = kvevict::make_positions_view(cache.positions(layer), 1, H, cap);
+    layer_page_table table;
+    set_cache_inputs(in, cache, layer, table);  // HND views, or the page pools and per-head table
     in.layer_idx = layer;
     in.num_layers = cache.n_layers();
     const std::int64_t n = ev.max_selected(in, budget);
@@ -168,6 +169,7 @@ result evict_layer_kv(const kvevict::evictor<Policy, kvevict::cpu::backend>& ev,
     sel.capacity = n;
     const kvevict::status st = ev.run(in, budget, sel);
     if (!st.ok()) return result::failure("evict_layer_kv: layer " + std::to_string(layer) + ": " + st.message());
+    if (cache.paged()) return compact_layer_paged(cache, layer, indptr.data(), idx.data());
     for (int h = 0; h < H; ++h)
         if (result r = cache.compact_head(layer, h, idx.data() + indptr[size_t(h)], indptr[size_t(h) + 1] - indptr[size_t(h)]); !r)
             return r;

@@ -15,6 +15,10 @@
 // Prints a table, writes fidelity.csv (means over prompts) and fidelity_per_prompt.csv to --out.
 // --smoke: 1 prompt, fractions 0.2 and 0.5, 8 steps; its files are fidelity_smoke.csv and
 // fidelity_smoke_per_prompt.csv, so a smoke run never overwrites a full report in the same folder.
+// --paged [--page-size N]: the same report over a paged kv_cache (one-head pages, a page table per KV
+// head; evictions through kvevict::cpu::compact_paged free pages): the table must equal the contiguous
+// one figure for figure (only the header line says "paged"); the pages in use before -> after every
+// eviction round (all layers) go to stderr, one line per (row, fraction, excerpt).
 // Exit status 1 when the table is incomplete, a figure is not finite or the measurement self-check
 // fails; 0 with a message when the model or text folder is missing under --smoke.
 #include "evict.hpp"
@@ -33,6 +37,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace kvevict_engine;
@@ -53,7 +58,7 @@ std::string resolve_data_dir(const std::string& flag) {
 
 struct options {
     std::string model_flag, data_flag, out_dir = ".", only, dump;
-    int prompts = 6, prompt_tokens = 448, steps = 64, chunk = 0;
+    int prompts = 6, prompt_tokens = 448, steps = 64, chunk = 0, page_size = 0;  // page_size > 0: --paged
     std::vector<double> fractions{0.1, 0.2, 0.3, 0.5};
     bool smoke = false, ablations = false;
 };
@@ -63,6 +68,7 @@ int usage(const char* argv0, const std::string& why) {
     std::fprintf(stderr,
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
                  "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..] [--ablations] [--chunk N] [--dump FILE]\n"
+                 "          [--paged [--page-size N]]\n"
                  "  --smoke            1 prompt, fractions 0.2,0.5, 8 steps; checks the table (exit 1 if incomplete\n"
                  "                     or not finite; exit 0 with a message if the model/text folder is missing);\n"
                  "                     writes fidelity_smoke.csv and fidelity_smoke_per_prompt.csv, never the full report's files\n"
@@ -78,7 +84,10 @@ int usage(const char* argv0, const std::string& why) {
                  "  --chunk N          chunked-prefill eviction every N prompt tokens (budget floor(f * prompt) tokens per\n"
                  "                     head) instead of one-shot; rows that need the look-ahead (Oracle) are left out\n"
                  "  --dump FILE        also write the prompts, the continuation, every kept position per (row, fraction,\n"
-                 "                     prompt, layer, KV head) and every KL in full precision (the Python press test reads it)\n",
+                 "                     prompt, layer, KV head) and every KL in full precision (the Python press test reads it)\n"
+                 "  --paged            paged KV cache (one-head pages, a page table per KV head; evictions free pages):\n"
+                 "                     the same table; pages in use before -> after each eviction round go to stderr\n"
+                 "  --page-size N      slots per page with --paged (default 16)\n",
                  argv0);
     return 2;
 }
@@ -185,9 +194,9 @@ struct reference {
     std::vector<std::vector<double>> o, y;        // per layer: c0's attention output (dim) and W_O o
 };
 
-result run_reference(const model& m, const std::vector<int>& prompt, int steps, reference& ref) {
+result run_reference(const model& m, const std::vector<int>& prompt, int steps, int page_size, reference& ref) {
     const config& c = m.cfg;
-    ref.prefilled = kv_cache(c, int(prompt.size()) + steps + 1);
+    ref.prefilled = kv_cache(c, int(prompt.size()) + steps + 1, page_size);  // page_size 0: contiguous
     ref.queries = query_log(c, -1);
     forward_options fo;
     fo.on_query = ref.queries.hook();
@@ -247,6 +256,7 @@ result evicted_cache(const model& m, const wo_factors& wo, const reference& ref,
         so.prefill = prefill_mode::chunked;
         so.chunk = chunk;
         so.budget = kvevict::budget_request::tokens(std::max(1, int(std::floor(fraction * double(prompt.size())))));
+        so.page_size = ref.prefilled.page_size();
         eviction_session s(m, wo, meth, so, ref.prefilled.capacity());
         std::vector<float> logits;
         if (result r = s.prefill(prompt, logits); !r) return r;
@@ -273,11 +283,27 @@ result evicted_cache(const model& m, const wo_factors& wo, const reference& ref,
 /// kept[l][h]: the logical positions a layer-l KV head keeps after eviction, ascending.
 using kept_positions = std::vector<std::vector<std::vector<int>>>;
 
+/// Pages in use (all layers) before and after each eviction round of a paged cache.
+using page_rounds = std::vector<std::pair<long, long>>;
+
 result evaluate(const model& m, const wo_factors& wo, const reference& ref, const std::vector<int>& prompt, const method& meth,
-                double fraction, int chunk, metrics& out, kept_positions* kept = nullptr) {
+                double fraction, int chunk, metrics& out, kept_positions* kept = nullptr, page_rounds* pages = nullptr) {
     const config& c = m.cfg;
     kv_cache cache;
-    if (result r = evicted_cache(m, wo, ref, prompt, meth, fraction, chunk, cache); !r) return r;
+    method counted = meth;
+    if (pages) {  // count the pages around every layer's eviction (a round starts at layer 0)
+        pages->clear();
+        counted.evict = [inner = meth.evict, pages](const layer_state& s) {
+            const long before = s.cache->pages_in_use(s.layer);
+            const result r = inner(s);
+            if (!r) return r;
+            if (s.layer == 0 || pages->empty()) pages->emplace_back(0, 0);
+            pages->back().first += before;
+            pages->back().second += s.cache->pages_in_use(s.layer);
+            return r;
+        };
+    }
+    if (result r = evicted_cache(m, wo, ref, prompt, counted, fraction, chunk, cache); !r) return r;
     if (kept) {
         kept->assign(size_t(c.n_layers), std::vector<std::vector<int>>(size_t(c.n_kv_heads)));
         for (int l = 0; l < c.n_layers; ++l)
@@ -326,11 +352,13 @@ bool is_finite(double x) { return std::isfinite(x); }
 int main(int argc, char** argv) {
     options opt;
     std::string fractions_flag, steps_flag, prompts_flag;
+    bool paged = false, page_size_given = false;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "-h" || a == "--help") return usage(argv[0], "");
         if (a == "--smoke") { opt.smoke = true; continue; }
         if (a == "--ablations") { opt.ablations = true; continue; }
+        if (a == "--paged") { paged = true; continue; }
         if (i + 1 >= argc) return usage(argv[0], "missing value for " + a);
         const std::string v = argv[++i];
         if (a == "--model") opt.model_flag = v;
@@ -341,12 +369,18 @@ int main(int argc, char** argv) {
         else if (a == "--prompts") prompts_flag = v;
         else if (a == "--steps") steps_flag = v;
         else if (a == "--fractions") fractions_flag = v;
+        else if (a == "--page-size") {
+            if (!parse_int(v, 1, 1 << 20, opt.page_size)) return usage(argv[0], "--page-size needs an integer in 1..1048576");
+            page_size_given = true;
+        }
         else if (a == "--chunk") {
             if (!parse_int(v, 1, 1 << 20, opt.chunk)) return usage(argv[0], "--chunk needs an integer in 1..1048576");
         } else if (a == "--prompt-tokens") {
             if (!parse_int(v, 40, 1 << 20, opt.prompt_tokens)) return usage(argv[0], "--prompt-tokens needs an integer in 40..1048576");
         } else return usage(argv[0], "unknown option " + a);
     }
+    if (page_size_given && !paged) return usage(argv[0], "--page-size needs --paged");
+    if (paged && !page_size_given) opt.page_size = 16;
     if (opt.smoke) {
         opt.prompts = 1;
         opt.steps = 8;
@@ -422,10 +456,11 @@ int main(int argc, char** argv) {
     }
     const config& c = m.cfg;
     std::printf("kvevict fidelity: stories260K (dim %d, %d layers, %d heads / %d KV heads, head_dim %d), %d excerpts of %d tokens "
-                "from sherlock.txt, %d continuation tokens, %s\n",
+                "from sherlock.txt, %d continuation tokens, %s%s\n",
                 c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), opt.prompts, opt.prompt_tokens, opt.steps,
                 opt.chunk > 0 ? ("chunked-prefill eviction every " + std::to_string(opt.chunk) + " tokens").c_str()
-                              : "one-shot eviction at the end of prefill");
+                              : "one-shot eviction at the end of prefill",
+                opt.page_size > 0 ? (", paged KV cache (page size " + std::to_string(opt.page_size) + ")").c_str() : "");
 
     // results[method][fraction] = per-prompt metrics
     std::vector<std::vector<std::vector<metrics>>> res(methods.size(), std::vector<std::vector<metrics>>(opt.fractions.size()));
@@ -443,7 +478,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> excerpt_text;
     for (size_t p = 0; p < prompts.size(); ++p) {
         reference ref;
-        if (result r = run_reference(m, prompts[p], opt.steps, ref); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+        if (result r = run_reference(m, prompts[p], opt.steps, opt.page_size, ref); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
         // self-check of the isolated measurement: the unevicted cache must reproduce forward()'s output
         std::vector<double> o;
         for (int l = 0; l < c.n_layers; ++l) {
@@ -461,12 +496,21 @@ int main(int argc, char** argv) {
             for (size_t f = 0; f < opt.fractions.size(); ++f) {
                 metrics mt;
                 kept_positions kept;
-                if (result r = evaluate(m, wo, ref, prompts[p], methods[i], opt.fractions[f], opt.chunk, mt, dump ? &kept : nullptr); !r) {
+                page_rounds pages;
+                if (result r = evaluate(m, wo, ref, prompts[p], methods[i], opt.fractions[f], opt.chunk, mt, dump ? &kept : nullptr,
+                                        opt.page_size > 0 ? &pages : nullptr);
+                    !r) {
                     std::fprintf(stderr, "error: %s at keep %.2f, prompt %zu: %s\n", methods[i].name.c_str(), opt.fractions[f], p, r.error.c_str());
                     ok = false;
                     continue;
                 }
                 res[i][f].push_back(mt);
+                if (opt.page_size > 0) {
+                    std::string line;
+                    for (const auto& pr : pages) line += (line.empty() ? "" : ", ") + std::to_string(pr.first) + " -> " + std::to_string(pr.second);
+                    std::fprintf(stderr, "pages in use (all layers, pool %d per layer): %s keep %.0f%% excerpt %zu: %s\n",
+                                 ref.prefilled.num_pages(), methods[i].name.c_str(), 100 * opt.fractions[f], p, line.c_str());
+                }
                 if (dump) {
                     std::fprintf(dump, "kl\t%s\t%.17g\t%zu\t%.17g\n", methods[i].name.c_str(), opt.fractions[f], p, mt.kl);
                     for (int l = 0; l < c.n_layers; ++l)

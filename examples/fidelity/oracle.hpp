@@ -111,10 +111,11 @@ inline kvevict_engine::method oracle_method(std::string name = "Oracle") {
         if (const kvevict::status st = kvevict::detail::validate_budget(s.budget, sp, 0); !st.ok())
             return result::failure(std::string("oracle: ") + st.message());
         std::vector<std::int32_t> indptr(size_t(H) + 1, 0), indices, keep;
+        std::vector<float> kbuf, vbuf;  // a paged cache's rows of one head, gathered
         for (int h = 0; h < H; ++h) {
             const int L = c.length(l, h);
             const kvevict::detail::head_plan pl = kvevict::detail::plan_head(s.budget, sp, L, 0);
-            oracle_keep_head(c.key(l, h, 0), c.value(l, h, 0), L, d, s.next_query + size_t(h) * size_t(G) * size_t(d), G,
+            oracle_keep_head(c.head_keys(l, h, kbuf), c.head_values(l, h, vbuf), L, d, s.next_query + size_t(h) * size_t(G) * size_t(d), G,
                              s.next_key + size_t(h) * size_t(d), s.next_value + size_t(h) * size_t(d),
                              pl.pass_through ? L : int(pl.base_budget), keep);
             indices.insert(indices.end(), keep.begin(), keep.end());
