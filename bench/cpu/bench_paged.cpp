@@ -17,6 +17,7 @@
 // PauseTiming). bytes: the kept rows read and written (2 x K and V), flops 0.
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -39,7 +40,8 @@ struct paged_layer {
   std::vector<T> kpool, vpool;
   std::vector<std::int32_t> indptr, indices, last;
   std::int64_t pages = 0;
-  explicit paged_layer(const kb::layer_data<T>& d) {
+  kvevict::kv_layout layout = kvevict::kv_layout::nhd;
+  explicit paged_layer(const kb::layer_data<T>& d, kvevict::kv_layout l = kvevict::kv_layout::nhd) : layout(l) {
     const std::int64_t L = d.L, H = kb::kKvHeads, D = kb::kHeadDim;
     pages = (L + kPageSize - 1) / kPageSize;
     indices.resize(static_cast<std::size_t>(pages));
@@ -52,14 +54,15 @@ struct paged_layer {
     vpool = kpool;
     for (std::int64_t h = 0; h < H; ++h)
       for (std::int64_t t = 0; t < L; ++t) {
-        const std::int64_t o = ((indices[static_cast<std::size_t>(t / kPageSize)] * kPageSize + t % kPageSize) * H + h) * D;
+        const std::int64_t pg = indices[static_cast<std::size_t>(t / kPageSize)], slot = t % kPageSize;
+        const std::int64_t o = layout == kvevict::kv_layout::nhd ? ((pg * kPageSize + slot) * H + h) * D : ((pg * H + h) * kPageSize + slot) * D;
         std::copy_n(d.k.begin() + (h * L + t) * D, D, kpool.begin() + o);
         std::copy_n(d.v.begin() + (h * L + t) * D, D, vpool.begin() + o);
       }
   }
   template <class U>
   kvevict::kv_view<U> pool(U* p) const {
-    return kvevict::make_page_pool(p, pages, kb::kKvHeads, kPageSize, kb::kHeadDim, kvevict::kv_layout::nhd);
+    return kvevict::make_page_pool(p, pages, kb::kKvHeads, kPageSize, kb::kHeadDim, layout);
   }
   kvevict::page_table_view table() const {
     return kvevict::make_page_table(indptr.data(), indices.data(), last.data(), 1, pages);
@@ -73,12 +76,38 @@ struct paged_layer {
   }
 };
 
-template <class Preset, class T>
+/// The layer's K and V as one contiguous NHD buffer ([L][kv_heads][d]: the same row stride as an
+/// NHD page pool, without the table).
+template <class T>
+struct nhd_layer {
+  std::vector<T> k, v;
+  explicit nhd_layer(const kb::layer_data<T>& d) {
+    const std::int64_t L = d.L, H = kb::kKvHeads, D = kb::kHeadDim;
+    k.resize(d.k.size());
+    v.resize(d.v.size());
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < L; ++t) {
+        std::copy_n(d.k.begin() + (h * L + t) * D, D, k.begin() + (t * H + h) * D);
+        std::copy_n(d.v.begin() + (h * L + t) * D, D, v.begin() + (t * H + h) * D);
+      }
+  }
+};
+
+/// Layout: 0 = paged NHD pool, 1 = paged HND pool, 2 = contiguous NHD (the baseline of 0;
+/// preset_<name> is the contiguous HND baseline of 1).
+template <class Preset, class T, int Layout>
 void BM_paged(benchmark::State& st) {
   const std::int64_t L = st.range(0);
   const auto& data = kb::get_layer<T>(L, kb::kWindow);
-  const paged_layer<T> pg(data);
-  const auto in = pg.inputs(data);
+  const paged_layer<T> pg(data, Layout == 1 ? kvevict::kv_layout::hnd : kvevict::kv_layout::nhd);
+  std::unique_ptr<nhd_layer<T>> nhd;
+  auto in = pg.inputs(data);
+  if (Layout == 2) {
+    nhd = std::make_unique<nhd_layer<T>>(data);
+    in = data.inputs();
+    in.keys = kvevict::make_kv_view<const T>(nhd->k.data(), 1, kb::kKvHeads, L, kb::kHeadDim, kvevict::kv_layout::nhd);
+    in.values = kvevict::make_kv_view<const T>(nhd->v.data(), 1, kb::kKvHeads, L, kb::kHeadDim, kvevict::kv_layout::nhd);
+  }
   kvevict::evictor<Preset, kvevict::cpu::backend> ev;
   const auto budget = kvevict::budget_request::tokens(static_cast<std::int32_t>(kb::bench_budget(L)));
   const std::int64_t cap = ev.max_selected(in, budget);
@@ -161,10 +190,18 @@ int iters_32k(std::int64_t) { return 3; }
 
 struct registrar {
   registrar() {
-    kb::register_seq("paged_restkv/f32", BM_paged<kvevict::presets::restkv, float>, {32768}, iters_32k);
-    kb::register_seq("paged_restkv/bf16", BM_paged<kvevict::presets::restkv, bfloat16_t>, {32768}, iters_32k);
-    kb::register_seq("paged_snapkv/f32", BM_paged<kvevict::presets::snapkv, float>, {32768}, iters_32k);
-    kb::register_seq("paged_snapkv/bf16", BM_paged<kvevict::presets::snapkv, bfloat16_t>, {32768}, iters_32k);
+    kb::register_seq("paged_restkv/f32", BM_paged<kvevict::presets::restkv, float, 0>, {32768}, iters_32k);
+    kb::register_seq("paged_restkv/bf16", BM_paged<kvevict::presets::restkv, bfloat16_t, 0>, {32768}, iters_32k);
+    kb::register_seq("paged_snapkv/f32", BM_paged<kvevict::presets::snapkv, float, 0>, {32768}, iters_32k);
+    kb::register_seq("paged_snapkv/bf16", BM_paged<kvevict::presets::snapkv, bfloat16_t, 0>, {32768}, iters_32k);
+    kb::register_seq("contiguous_nhd_restkv/f32", BM_paged<kvevict::presets::restkv, float, 2>, {32768}, iters_32k);
+    kb::register_seq("contiguous_nhd_restkv/bf16", BM_paged<kvevict::presets::restkv, bfloat16_t, 2>, {32768}, iters_32k);
+    kb::register_seq("contiguous_nhd_snapkv/f32", BM_paged<kvevict::presets::snapkv, float, 2>, {32768}, iters_32k);
+    kb::register_seq("contiguous_nhd_snapkv/bf16", BM_paged<kvevict::presets::snapkv, bfloat16_t, 2>, {32768}, iters_32k);
+    kb::register_seq("paged_hnd_restkv/f32", BM_paged<kvevict::presets::restkv, float, 1>, {32768}, iters_32k);
+    kb::register_seq("paged_hnd_restkv/bf16", BM_paged<kvevict::presets::restkv, bfloat16_t, 1>, {32768}, iters_32k);
+    kb::register_seq("paged_hnd_snapkv/f32", BM_paged<kvevict::presets::snapkv, float, 1>, {32768}, iters_32k);
+    kb::register_seq("paged_hnd_snapkv/bf16", BM_paged<kvevict::presets::snapkv, bfloat16_t, 1>, {32768}, iters_32k);
     kb::register_seq("compact_paged/f32", BM_compact<float, true>, {32768}, nullptr);
     kb::register_seq("compact_contiguous/f32", BM_compact<float, false>, {32768}, nullptr);
     kb::register_seq("compact_paged/bf16", BM_compact<bfloat16_t, true>, {32768}, nullptr);

@@ -5,6 +5,7 @@
 // scans live in the backends.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -137,12 +138,16 @@ struct input_requirements {
 template <class T>
 inline status validate_page_table_shape(const layer_inputs<T>& in) {
   const page_table_view& t = in.pages;
+  if (in.keys.extent[1] < 1 || in.keys.extent[3] < 1)
+    return status::error(errc::invalid_argument, "paged keys pool kv_heads = %lld and head_dim = %lld must be >= 1",
+                         static_cast<long long>(in.keys.extent[1]), static_cast<long long>(in.keys.extent[3]));
   if (in.keys.extent[0] < 1 || in.keys.extent[2] < 1)
     return status::error(errc::invalid_argument, "paged keys pool shape (num_pages %lld, kv_heads, page_size %lld, head_dim): num_pages and page_size must be >= 1",
                          static_cast<long long>(in.keys.extent[0]), static_cast<long long>(in.keys.extent[2]));
   if (in.keys.extent[0] > 0x7fffffff)
     return status::error(errc::invalid_argument, "paged keys pool num_pages = %lld exceeds int32 page ids", static_cast<long long>(in.keys.extent[0]));
-  if (t.batch < 1) return status::error(errc::invalid_argument, "pages.batch = %lld must be >= 1", static_cast<long long>(t.batch));
+  if (t.batch < 1 || t.batch > 0x7fffffff / in.keys.extent[1])
+    return status::error(errc::invalid_argument, "pages.batch = %lld must be in [1, 2^31 / kv_heads]", static_cast<long long>(t.batch));
   if (t.max_pages_per_row < 0 || (t.max_pages_per_row > 0 && t.max_pages_per_row > 0x7fffffff / in.keys.extent[2]))
     return status::error(errc::invalid_argument, "pages.max_pages_per_row = %lld must be in [0, 2^31 / page_size = %lld]",
                          static_cast<long long>(t.max_pages_per_row), static_cast<long long>(0x7fffffff / in.keys.extent[2]));
@@ -150,6 +155,17 @@ inline status validate_page_table_shape(const layer_inputs<T>& in) {
   if (!t.last_page_len && !in.lengths.data)
     return status::error(errc::null_pointer, "pages.last_page_len is null and layer_inputs::lengths is not set: a paged cache needs one of them for the lengths");
   return {};
+}
+
+/// Pages of table row r that hold tokens: ceil(length / page_size), the longest head's for a
+/// per-sequence table.
+template <class T>
+inline std::int64_t row_pages_used(const layer_inputs<T>& in, std::int64_t r) {
+  const std::int64_t H = in.kv_heads(), ps = in.page_size();
+  if (in.pages.per_head) return (in.length(r / H, r % H) + ps - 1) / ps;
+  std::int64_t used = 0;
+  for (std::int64_t h = 0; h < H; ++h) used = std::max(used, (in.length(r, h) + ps - 1) / ps);
+  return used;
 }
 
 /// The page table's data against the pool and the lengths (host memory; O(rows + pages), and
@@ -195,8 +211,8 @@ inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, s
   if (dup_check)
     for (std::int64_t i = 0; i < slots; ++i) seen[i] = 0;
   for (std::int64_t r = 0; r < R; ++r) {
-    const std::int64_t b = t.per_head ? r / H : r, h = t.per_head ? r % H : 0;
-    const std::int64_t used = (in.length(b, h) + ps - 1) / ps;
+    const std::int64_t h = t.per_head ? r % H : 0;
+    const std::int64_t used = row_pages_used(in, r);
     for (std::int64_t i = 0; i < used; ++i) {
       const std::int32_t pg = t.indices[t.indptr[r] + i];
       if (pg < 0 || pg >= P)
@@ -262,8 +278,9 @@ inline status validate_layer_shapes(const layer_inputs<T>& in, const input_requi
     if (in.queries.extent[2] < 1)
       return status::error(errc::invalid_argument, "window = %lld must be >= 1", static_cast<long long>(in.queries.extent[2]));
     if (in.queries.extent[2] > in.capacity())
-      return status::error(errc::invalid_argument, "window = %lld > seq_len = %lld (the window queries' keys must be cached)",
-                           static_cast<long long>(in.queries.extent[2]), static_cast<long long>(in.capacity()));
+      return status::error(errc::invalid_argument, "window = %lld > %s = %lld (the window queries' keys must be cached)",
+                           static_cast<long long>(in.queries.extent[2]),
+                           in.paged() ? "capacity (max_pages_per_row * page_size)" : "seq_len", static_cast<long long>(in.capacity()));
   }
   if (rq.per_query_head && !in.queries.data)
     return status::error(errc::invalid_argument, "gqa = per_query_head needs the queries (for q_heads)");

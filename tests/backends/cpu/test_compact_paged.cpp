@@ -320,3 +320,48 @@ TEST_CASE("compact_paged and union_selections: bad input is a named error and le
   }
   (void)f;
 }
+
+TEST_CASE("compact_paged mode b: heads that share page ids (per-head tables over pages spanning every head) free a page once, when no head keeps it") {
+  // B = 1, H = 2, page size 4, NHD pool of 3 pages; both heads' rows use pages {2, 0}, 8 tokens each
+  const std::int64_t H = 2, ps = 4, d = 2, P = 3;
+  std::vector<float> k(static_cast<std::size_t>(P * ps * H * d)), v(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>(i), v[i] = -static_cast<float>(i);
+  std::vector<std::int32_t> indptr = {0, 2, 4}, indices = {2, 0, 2, 0}, last = {4, 4};
+  kv::cpu::paged_cache<float> c;
+  c.keys = kv::make_page_pool(k.data(), P, H, ps, d, kv::kv_layout::nhd);
+  c.values = kv::make_page_pool(v.data(), P, H, ps, d, kv::kv_layout::nhd);
+  c.pages = kv::make_page_table(indptr.data(), indices.data(), last.data(), 1, 2);
+  c.pages.per_head = true;
+  std::vector<unsigned char> ws(kv::cpu::compact_paged_workspace_size(c));
+  auto run = [&](std::vector<std::int32_t> sp, std::vector<std::int32_t> si, std::vector<std::int32_t>* freed) {
+    std::vector<std::int32_t> kept(2), lastp(2);
+    freed->assign(4, -7);
+    std::int64_t nf = -1;
+    kv::cpu::paged_compaction_result out{kept.data(), lastp.data(), nullptr, freed->data(), 4, &nf};
+    REQUIRE(kv::cpu::compact_paged(c, kv::const_selection_view(sp.data(), si.data(), 2), out, ws.data(), ws.size()).ok());
+    freed->resize(static_cast<std::size_t>(nf));
+  };
+  std::vector<std::int32_t> freed;
+  run({0, 2, 10}, {0, 1, 0, 1, 2, 3, 4, 5, 6, 7}, &freed);  // head 0 lets page 0 go, head 1 keeps it
+  CHECK(freed.empty());
+  run({0, 2, 5}, {0, 1, 0, 1, 2}, &freed);  // both let page 0 go: reported once
+  CHECK(freed == std::vector<std::int32_t>{0});
+  // a per-sequence table over one-head pages (head stride 0) is refused: the heads would move the same rows
+  kv::cpu::paged_cache<float> c1 = c;
+  c1.keys = kv::page_pool_per_head(k.data(), P, H, ps, d);
+  c1.values = kv::page_pool_per_head(v.data(), P, H, ps, d);
+  c1.pages.per_head = false;
+  c1.pages.batch = 1;
+  std::vector<std::int32_t> ip1 = {0, 2}, last1 = {4};
+  c1.pages.indptr = ip1.data();
+  c1.pages.last_page_len = last1.data();
+  std::vector<std::int32_t> kept(1), lastp(1), fr(4);
+  std::int64_t nf = -1;
+  std::vector<std::int32_t> sp = {0, 1, 2}, si = {0, 1};
+  std::vector<unsigned char> ws1(kv::cpu::compact_paged_workspace_size(c1));
+  const kv::status st = kv::cpu::compact_paged(c1, kv::const_selection_view(sp.data(), si.data(), 2),
+                                               kv::cpu::paged_compaction_result{kept.data(), lastp.data(), nullptr, fr.data(), 4, &nf},
+                                               ws1.data(), ws1.size());
+  CHECK(st.code() == kv::errc::invalid_argument);
+  CHECK(std::string(st.message()).find("keys.stride[1] = 0") != std::string::npos);
+}

@@ -231,7 +231,7 @@ TEST_CASE("paged: bad page tables are named errors and leave the outputs untouch
     auto s = with([](kvtest::paged_copy<float>& c) { c.in.keys.extent[2] = 0; c.in.values.extent[2] = 0; });
     check_paged_error<snap>(s.in, kv::errc::invalid_argument, "num_pages and page_size must be >= 1");
     auto t = with([](kvtest::paged_copy<float>& c) { c.in.pages.batch = 0; });
-    check_paged_error<snap>(t.in, kv::errc::invalid_argument, "pages.batch = 0 must be >= 1");
+    check_paged_error<snap>(t.in, kv::errc::invalid_argument, "pages.batch = 0 must be in [1, 2^31 / kv_heads]");
     auto u = with([](kvtest::paged_copy<float>& c) { c.in.pages.batch = 1; });
     check_paged_error<snap>(u.in, kv::errc::shape_mismatch, "queries batch = 2 != pages.batch = 1");
   }
@@ -242,4 +242,33 @@ TEST_CASE("paged: bad page tables are named errors and leave the outputs untouch
     });
     check_paged_error<snap>(q.in, kv::errc::non_finite_input, "keys(b=0, h=1, s=35, d=4)");
   }
+}
+
+TEST_CASE("paged: every page that holds a token is checked, whichever head is longest; a plan does not outlive its table's pointers") {
+  kvtest::shape sh;
+  sh.batch = 1, sh.kv_heads = 2, sh.group = 1, sh.cap = 8, sh.d = 4, sh.window = 1;
+  kvtest::problem p = kvtest::make_problem(sh, 5, 1.0, 1.0, 1.0, {1, 8});
+  kvtest::stored<float> st;
+  kvtest::store(p, kvtest::layout::hnd, st);
+  kvtest::paged_copy<float> pg;
+  kvtest::make_paged(st.in, 4, kvtest::pool_layout::nhd, false, false, 3, pg, false);  // lengths {1, 8}: 2 pages, head 1 needs both
+  pg.indices[1] = 1 << 30;  // a page only the longer head reads
+  check_paged_error<kv::presets::snapkv>(pg.in, kv::errc::invalid_argument, "pages.indices[1] = 1073741824");
+  kvtest::make_paged(st.in, 4, kvtest::pool_layout::nhd, false, false, 3, pg, false);
+  kv::evictor<kv::presets::snapkv, kv::cpu::backend> ev;
+  kv::eviction_plan pl;
+  REQUIRE(ev.plan(pg.in, kv::budget_request::tokens(2), &pl).ok());
+  auto in = pg.in;
+  in.pages.indices = nullptr;
+  std::vector<std::int32_t> ip(3), ix(16);
+  std::vector<unsigned char> ws(pl.workspace_bytes);
+  const kv::status s = ev.run(pl, in, kv::selection_view{ip.data(), ix.data(), nullptr, 16}, ws.data(), ws.size());
+  CHECK(s.code() == kv::errc::invalid_argument);  // the signature differs: plan again
+  // shapes that fail validation need no workspace
+  auto bad = pg.in;
+  bad.pages.batch = -1;
+  CHECK(ev.workspace_size(bad) == 0);
+  bad = pg.in;
+  bad.pages.max_pages_per_row = -3;
+  CHECK(ev.workspace_size(bad) == 0);
 }

@@ -27,8 +27,10 @@ namespace cpu {
 ///                 left without tokens
 ///   lengths       int32 (batch, kv_heads) row-major, optional: the new length of every
 ///                 (sequence, KV head), for engines that keep lengths (vLLM's seq_lens)
-///   freed_pages   int32 (freed_capacity): the ids of the pages that held tokens of a row and hold
-///                 none now, row by row in table order; *num_freed receives their count
+///   freed_pages   int32 (freed_capacity): the ids of the pages that held tokens and hold none
+///                 now, each once, in table order; a page shared by several rows (per-head tables
+///                 over pages that span every head) only when every row let it go. *num_freed
+///                 receives their count
 /// freed_capacity >= indptr[rows] always suffices.
 struct paged_compaction_result {
   std::int32_t* pages_kept = nullptr;
@@ -78,11 +80,13 @@ inline void move_row(const kv_view<T>& pool, const std::int32_t* pages, std::int
 
 }  // namespace detail
 
-/// Bytes of host scratch compact_paged() needs (the page table's duplicate check: one byte per
-/// page, per (page, head) for per-head tables over pages that span every head).
+/// Bytes of host scratch compact_paged() needs: one byte per page (per (page, KV head) for
+/// per-head tables over pages that span every head), for the table's duplicate check and the
+/// freed-page bookkeeping.
 template <class T>
 std::size_t compact_paged_workspace_size(const paged_cache<T>& cache) {
-  return static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(detail::paged_as_inputs(cache)));
+  const std::int64_t n = kvevict::detail::page_table_check_bytes(detail::paged_as_inputs(cache));
+  return static_cast<std::size_t>(std::max<std::int64_t>(n, cache.pages.indptr ? cache.keys.extent[0] : 0));
 }
 
 /// Compact a paged cache in place with a selection of evictor::run() (indices are logical slots
@@ -162,20 +166,32 @@ template <class T>
                              static_cast<long long>(b), sel.indptr[sel_row(b, 0) + 1] - sel.indptr[sel_row(b, 0)], e - a,
                              static_cast<long long>(h));
     }
+  if (!t.per_head && H > 1 && in.keys.stride[1] == 0)
+    return status::error(errc::invalid_argument,
+                         "compact_paged: keys.stride[1] = 0 (pages of one head) under a per-sequence table: every KV head would "
+                         "move the same rows; use pages.per_head tables for one-head pages");
   if (!out.pages_kept || !out.last_page_len || !out.freed_pages || !out.num_freed)
     return status::error(errc::null_pointer, "compact_paged: result pages_kept, last_page_len, freed_pages or num_freed is null");
-  std::int64_t freed = 0;
-  for (std::int64_t r = 0; r < R; ++r) {
+  // A page becomes free when it held tokens and no row keeps a token in it: per-head tables over
+  // pages that span every head may share a page id between the heads of a sequence (each in its
+  // own head slot), so a page is reported once, and only when every row that used it let it go.
+  // state[page]: 0 unused, 1 used and kept by some row, 2 used and let go, 3 reported.
+  unsigned char* state = static_cast<unsigned char*>(workspace);
+  auto row_kept_pages = [&](std::int64_t r) {
     const std::int64_t b = t.per_head ? r / H : r, h = t.per_head ? r % H : 0;
-    std::int64_t used = 0;
-    if (t.per_head) {
-      used = (in.length(b, h) + ps - 1) / ps;
-    } else {
-      for (std::int64_t k = 0; k < H; ++k) used = std::max(used, (in.length(b, k) + ps - 1) / ps);
+    return (sel.indptr[sel_row(b, h) + 1] - sel.indptr[sel_row(b, h)] + ps - 1) / ps;
+  };
+  const std::int64_t P = in.keys.extent[0];
+  for (std::int64_t i = 0; i < P; ++i) state[i] = 0;
+  for (std::int64_t r = 0; r < R; ++r) {
+    const std::int64_t used = kvevict::detail::row_pages_used(in, r), np = row_kept_pages(r);
+    for (std::int64_t i = 0; i < used; ++i) {
+      unsigned char& st = state[t.indices[t.indptr[r] + i]];
+      st = i < np ? 1 : (st == 1 ? 1 : 2);
     }
-    const std::int64_t kept = sel.indptr[sel_row(b, h) + 1] - sel.indptr[sel_row(b, h)];
-    freed += used - (kept + ps - 1) / ps;
   }
+  std::int64_t freed = 0;
+  for (std::int64_t i = 0; i < P; ++i) freed += state[i] == 2 ? 1 : 0;
   if (freed > out.freed_capacity)
     return status::error(errc::insufficient_capacity, "compact_paged: %lld pages become free > result freed_capacity = %lld",
                          static_cast<long long>(freed), static_cast<long long>(out.freed_capacity));
@@ -194,17 +210,17 @@ template <class T>
   std::int64_t nf = 0;
   for (std::int64_t r = 0; r < R; ++r) {
     const std::int64_t b = t.per_head ? r / H : r, h = t.per_head ? r % H : 0;
-    std::int64_t used = 0;
-    if (t.per_head) {
-      used = (in.length(b, h) + ps - 1) / ps;
-    } else {
-      for (std::int64_t k = 0; k < H; ++k) used = std::max(used, (in.length(b, k) + ps - 1) / ps);
-    }
     const std::int64_t kept = sel.indptr[sel_row(b, h) + 1] - sel.indptr[sel_row(b, h)];
-    const std::int64_t np = (kept + ps - 1) / ps;
+    const std::int64_t np = (kept + ps - 1) / ps, used = kvevict::detail::row_pages_used(in, r);
     out.pages_kept[r] = static_cast<std::int32_t>(np);
     out.last_page_len[r] = static_cast<std::int32_t>(kept == 0 ? 0 : kept - (np - 1) * ps);
-    for (std::int64_t i = np; i < used; ++i) out.freed_pages[nf++] = t.indices[t.indptr[r] + i];
+    for (std::int64_t i = np; i < used; ++i) {
+      const std::int32_t pg = t.indices[t.indptr[r] + i];
+      if (state[pg] == 2) {
+        out.freed_pages[nf++] = pg;
+        state[pg] = 3;
+      }
+    }
   }
   if (out.lengths)
     for (std::int64_t b = 0; b < B; ++b)
@@ -223,6 +239,7 @@ template <class T>
 /// the kept count is out.indptr[r + 1] - out.indptr[r] (not a budget). All selections have the
 /// same rows (a multiple of group). out: indptr (rows / group + 1), indices with out.capacity >=
 /// the union's size (the sum of the inputs' sizes always suffices); positions are not written.
+/// out may not share memory with the inputs (rows are written while later rows are read).
 /// Errors: null pointers, rows that differ or are not a multiple of group, rows not ascending,
 /// capacity too small (nothing written).
 [[nodiscard]] inline status union_selections(const const_selection_view* sels, int n, std::int64_t group, selection_view out) {
@@ -266,11 +283,14 @@ template <class T>
       }
       total += static_cast<std::int64_t>(merged.size());
     }
+    if (pass == 0 && total > 0x7fffffff)
+      return status::error(errc::invalid_argument, "union_selections: the union keeps %lld tokens, more than int32 indptr holds",
+                           static_cast<long long>(total));
     if (pass == 0 && total > out.capacity)
       return status::error(errc::insufficient_capacity, "union_selections: the union keeps %lld tokens > out.capacity = %lld",
                            static_cast<long long>(total), static_cast<long long>(out.capacity));
   }
-  out.indptr[rows / group] = static_cast<std::int32_t>(total);
+  out.indptr[rows / group] = static_cast<std::int32_t>(total);  // <= out.capacity, checked below int32 by the first pass
   return {};
 }
 

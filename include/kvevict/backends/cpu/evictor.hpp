@@ -66,13 +66,14 @@ inline status scan_finite_paged(const layer_inputs<T>& in, const kv_view<const T
   return {};
 }
 
-/// A paged cache's page table against its pool and lengths (kvevict::detail::check_page_table,
-/// with its duplicate check); O(num_pages) bytes of host scratch.
+/// A paged cache's page table against its pool and lengths (its shape, then
+/// kvevict::detail::check_page_table with its duplicate check in `seen`:
+/// page_table_check_bytes(in) bytes, from the plan's host scratch or run()'s workspace).
 template <class T>
-inline status check_pages(const layer_inputs<T>& in) {
+inline status check_pages(const layer_inputs<T>& in, unsigned char* seen) {
   if (!in.paged()) return {};
-  std::vector<unsigned char> seen(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)));
-  return kvevict::detail::check_page_table(in, seen.data(), static_cast<std::int64_t>(seen.size()));
+  KVEVICT_TRY(kvevict::detail::validate_page_table_shape(in));
+  return kvevict::detail::check_page_table(in, seen, kvevict::detail::page_table_check_bytes(in));
 }
 
 }  // namespace detail
@@ -119,7 +120,10 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       if (opt.num_threads < 0)
         return status::error(errc::invalid_argument, "plan_options.num_threads = %d must be >= 0 (0: the backend's default)",
                              opt.num_threads);
-      KVEVICT_TRY(cpu::detail::check_pages(in));
+      if (in.paged()) {  // plan time: host scratch, as kept_total's
+        std::vector<unsigned char> seen(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)));
+        KVEVICT_TRY(cpu::detail::check_pages(in, seen.data()));
+      }
       if constexpr (Scorer::has_scores) {
         // The policy's own table check (check_layer(params, kv_heads, head_dim, layer, num_layers),
         // e.g. LKV-T's host tables), then the CPU implementation's.
@@ -157,7 +161,12 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     // than the plan's: a plan cannot make run() write past the caller's memory.
     const int nt = std::max(1, std::min(pl.num_threads, cpu::detail::max_scratch_threads));
     KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, this->workspace_bytes(in, nt))));
-    KVEVICT_TRY(cpu::detail::check_pages(in));  // a plan may be reused with a new table of the same shape
+    kvevict::detail::workspace_carver c(kvevict::detail::workspace_carver::align_up(workspace));
+    // The page table's duplicate check first, in the workspace (a plan may be reused with a new
+    // table of the same shape); its bytes are free again for the buffers.
+    const auto table_mark = c.mark();
+    KVEVICT_TRY(cpu::detail::check_pages(in, c.template carve<unsigned char>(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)))));
+    c.rewind(table_mark);
     auto len = [&](std::int64_t b, std::int64_t h) { return in.length(b, h); };
     if (in.lengths.data || in.paged()) KVEVICT_TRY(FE::check_length_range(in.batch(), in.kv_heads(), in.capacity(), len));
     KVEVICT_TRY(FE::check_layer_mean_lengths(p_, in.batch(), in.kv_heads(), len));
@@ -168,7 +177,6 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     const std::int64_t Gq = in.queries.data ? in.group_size() : 1;  // query heads per KV head
     const std::int64_t Gout = H / Hkv;                               // out rows per KV head
     const std::int64_t rows = B * H;
-    kvevict::detail::workspace_carver c(kvevict::detail::workspace_carver::align_up(workspace));
     buffers buf = carve_all(c, in, nt);
 
     // 1. plans, the budgets that need no scores, the "needs scoring" flags (front-end rules)
@@ -387,6 +395,12 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     if (!shapes_ok(in)) return 0;
     kvevict::detail::workspace_carver c;
     carve_all(c, in, nt);
+    // run() checks a paged cache's table in the same bytes first (one byte per page)
+    if (c.bytes() < static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in))) {
+      kvevict::detail::workspace_carver t;
+      (void)t.template carve<unsigned char>(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)));
+      return t.bytes() + kvevict::detail::workspace_carver::alignment;
+    }
     // + alignment: run() aligns the caller's pointer itself, so any address works (and gives
     // the same results: Eigen's vectorised loops peel by address).
     return c.bytes() + kvevict::detail::workspace_carver::alignment;
@@ -466,6 +480,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
 
   template <class T>
   bool shapes_ok(const layer_inputs<T>& in) const {
+    if (in.paged() && !kvevict::detail::validate_page_table_shape(in).ok()) return false;
     if (!in.keys.data || in.keys.extent[0] < 1 || in.keys.extent[1] < 1 || in.keys.extent[2] < 0 || in.keys.extent[3] < 1)
       return false;
     if (in.queries.data && (in.queries.extent[1] < 1 || in.queries.extent[1] % in.keys.extent[1] != 0 ||
