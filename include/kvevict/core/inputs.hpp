@@ -192,6 +192,10 @@ inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, s
   for (std::int64_t b = 0; b < t.batch; ++b)
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t r = t.row(b, h, H);
+      if (t.prefix(b) < 0 || t.prefix(b) > in.length(b, h))
+        return status::error(errc::invalid_argument, "pages.protected_prefix[%lld] = %lld is outside [0, %lld], the tokens of sequence %lld (KV head %lld)",
+                             static_cast<long long>(b), static_cast<long long>(t.prefix(b)), static_cast<long long>(in.length(b, h)),
+                             static_cast<long long>(b), static_cast<long long>(h));
       if (in.lengths.data) {
         const std::int64_t L = in.lengths(b, h);
         if (t.last_page_len && L != t.table_length(r, ps))
@@ -210,9 +214,10 @@ inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, s
   const bool dup_check = seen && seen_bytes >= slots;
   if (dup_check)
     for (std::int64_t i = 0; i < slots; ++i) seen[i] = 0;
+  // seen: 0 unused, 1 used by one row, 2 a shared prefix page (any number of rows, prefix only).
   for (std::int64_t r = 0; r < R; ++r) {
     const std::int64_t h = t.per_head ? r % H : 0;
-    const std::int64_t used = row_pages_used(in, r);
+    const std::int64_t used = row_pages_used(in, r), shared = t.prefix(t.per_head ? r / H : r) / ps;
     for (std::int64_t i = 0; i < used; ++i) {
       const std::int32_t pg = t.indices[t.indptr[r] + i];
       if (pg < 0 || pg >= P)
@@ -221,9 +226,12 @@ inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, s
                              static_cast<long long>(P));
       if (dup_check) {
         unsigned char& s = seen[head_slots ? pg * H + h : pg];
-        if (s) return status::error(errc::invalid_argument, "pages.indices[%lld] = %d (row %lld, page %lld) repeats a page already in the table",
-                                    static_cast<long long>(t.indptr[r] + i), pg, static_cast<long long>(r), static_cast<long long>(i));
-        s = 1;
+        const unsigned char use = i < shared ? 2 : 1;
+        if (s == 1 || (s == 2 && use == 1))
+          return status::error(errc::invalid_argument, "pages.indices[%lld] = %d (row %lld, page %lld) repeats a page already in the table%s",
+                               static_cast<long long>(t.indptr[r] + i), pg, static_cast<long long>(r), static_cast<long long>(i),
+                               s == 2 || use == 2 ? " (only pages wholly inside a protected prefix may be shared)" : "");
+        s = use;
       }
     }
   }

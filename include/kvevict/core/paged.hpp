@@ -33,12 +33,21 @@ namespace kvevict {
 ///   max_pages_per_row: the capacity bound: layer_inputs::capacity() = max_pages_per_row *
 ///                 page_size (vLLM's max_blocks_per_seq; FlashInfer: the largest row).
 ///
+///   protected_prefix (batch), optional: sequence b's first protected_prefix[b] tokens are a
+///                 prefix shared with other sequences (prefix caching): the pages that hold only
+///                 prefix tokens (the first protected_prefix[b] / page_size of each of its rows) may
+///                 appear in several rows, never as a non-prefix page of any row; compaction
+///                 (cpu::compact_paged) never moves, drops or frees them, and refuses a selection
+///                 that drops a prefix token. At most every head's length. The evictor keeps them
+///                 when num_sink (or the budget's protected tokens) covers the prefix.
+///
 /// A token-slot table (SGLang's req_to_token, llama.cpp's cells) is the same view with page size
 /// 1: indices are the slot ids of each sequence's tokens in logical order.
 struct page_table_view {
   const std::int32_t* indptr = nullptr;
   const std::int32_t* indices = nullptr;
   const std::int32_t* last_page_len = nullptr;
+  const std::int32_t* protected_prefix = nullptr;
   std::int64_t batch = 0;
   std::int64_t max_pages_per_row = 0;
   bool per_head = false;
@@ -52,6 +61,8 @@ struct page_table_view {
   }
   /// Pages of row r.
   KVEVICT_HOST_DEVICE std::int64_t pages(std::int64_t r) const { return static_cast<std::int64_t>(indptr[r + 1]) - indptr[r]; }
+  /// Protected prefix tokens of sequence b (0 without protected_prefix).
+  KVEVICT_HOST_DEVICE std::int64_t prefix(std::int64_t b) const { return protected_prefix ? protected_prefix[b] : 0; }
   /// Tokens of row r from the table (needs last_page_len).
   KVEVICT_HOST_DEVICE std::int64_t table_length(std::int64_t r, std::int64_t page_size) const {
     const std::int64_t n = pages(r);

@@ -365,3 +365,82 @@ TEST_CASE("compact_paged mode b: heads that share page ids (per-head tables over
   CHECK(st.code() == kv::errc::invalid_argument);
   CHECK(std::string(st.message()).find("keys.stride[1] = 0") != std::string::npos);
 }
+
+TEST_CASE("paged protected prefix: shared prefix pages are read by several sequences, never moved or freed; dropping one is refused") {
+  // two sequences whose first 8 tokens are the same (a cached prompt), in the same two 4-token pages
+  kvtest::shape sh;
+  sh.batch = 2, sh.kv_heads = 2, sh.group = 2, sh.cap = 60, sh.d = 8, sh.window = 4;
+  kvtest::problem p = kvtest::make_problem(sh, 51, 1.0, 1.0, 1.0, {60, 60, 45, 45});
+  for (std::int64_t h = 0; h < 2; ++h)
+    for (std::int64_t n = 0; n < 8; ++n)
+      for (std::int64_t c = 0; c < 8; ++c) {
+        p.K[p.kv_idx(1, h, n, c)] = p.K[p.kv_idx(0, h, n, c)];
+        p.V[p.kv_idx(1, h, n, c)] = p.V[p.kv_idx(0, h, n, c)];
+      }
+  kvtest::stored<float> st;
+  kvtest::store(p, kvtest::layout::hnd, st);
+  kvtest::paged_copy<float> pg;
+  kvtest::make_paged(st.in, 4, kvtest::pool_layout::nhd, false, false, 17, pg, true);
+  pg.indices[static_cast<std::size_t>(pg.indptr[1])] = pg.indices[0];  // sequence 1 reads sequence 0's prefix pages
+  pg.indices[static_cast<std::size_t>(pg.indptr[1]) + 1] = pg.indices[1];
+  auto params = kv::presets::snapkv::defaults();
+  params.selector.num_sink = 8;  // the evictor keeps the prefix
+  kv::evictor<kv::presets::snapkv, kv::cpu::backend> ev(params);
+  // without the prefix declared the shared pages are repeated pages
+  CHECK(std::string(kvtest::run_lib(ev, pg.in, kv::budget_request::tokens(20)).st.message()).find("repeats a page") != std::string::npos);
+  std::vector<std::int32_t> prefix = {8, 8};
+  pg.in.pages.protected_prefix = prefix.data();
+  const auto a = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(20));
+  const auto b = kvtest::run_lib(ev, pg.in, kv::budget_request::tokens(20));
+  INFO(std::string(b.st.message()));
+  REQUIRE(a.st.ok());
+  REQUIRE(b.st.ok());
+  CHECK(a.indices == b.indices);
+  // compaction: the contiguous reference, the prefix pages untouched and not freed
+  std::vector<float> kc(static_cast<std::size_t>(2 * 2 * 60 * 8)), vc(kc.size());
+  const kv::const_selection_view sel(a.indptr.data(), a.indices.data(), 4);
+  REQUIRE(kv::cpu::compact(st.in.keys, sel, kv::make_kv_view(kc.data(), 2, 2, 60, 8, kv::kv_layout::hnd)).ok());
+  REQUIRE(kv::cpu::compact(st.in.values, sel, kv::make_kv_view(vc.data(), 2, 2, 60, 8, kv::kv_layout::hnd)).ok());
+  const auto pool_before = pg.kpool;
+  kv::cpu::paged_cache<float> c;
+  c.keys = kv::make_page_pool(pg.kpool.data(), pg.num_pages, 2, 4, 8, kv::kv_layout::nhd);
+  c.values = kv::make_page_pool(pg.vpool.data(), pg.num_pages, 2, 4, 8, kv::kv_layout::nhd);
+  c.pages = pg.in.pages;
+  std::vector<unsigned char> ws(kv::cpu::compact_paged_workspace_size(c));
+  std::vector<std::int32_t> kept(2), lastp(2), freed(64), lens(4);
+  std::int64_t nf = -1;
+  kv::cpu::paged_compaction_result out{kept.data(), lastp.data(), lens.data(), freed.data(), 64, &nf};
+  {  // a selection that drops a prefix token is refused, the cache untouched
+    std::vector<std::int32_t> ip = {0, 2, 4, 6, 8}, ix = {1, 2, 1, 2, 0, 9, 0, 9};
+    const kv::status s = kv::cpu::compact_paged(c, kv::const_selection_view(ip.data(), ix.data(), 4), out, ws.data(), ws.size());
+    CHECK(s.code() == kv::errc::invalid_argument);
+    CHECK(std::string(s.message()).find("drops a token of sequence 0's protected prefix [0, 8)") != std::string::npos);
+    CHECK(std::memcmp(pg.kpool.data(), pool_before.data(), pool_before.size() * sizeof(float)) == 0);  // NaN-safe
+  }
+  REQUIRE(kv::cpu::compact_paged(c, kv::const_selection_view(b.indptr.data(), b.indices.data(), 4), out, ws.data(), ws.size()).ok());
+  for (std::int64_t i = 0; i < 2; ++i)
+    for (std::int64_t e = 0; e < 4 * 2 * 8; ++e) {
+      const std::size_t o = static_cast<std::size_t>(pg.indices[static_cast<std::size_t>(i)] * 4 * 2 * 8 + e);
+      REQUIRE(std::memcmp(&pg.kpool[o], &pool_before[o], sizeof(float)) == 0);  // the shared pages are never written
+    }
+  for (std::int64_t q = 0; q < nf; ++q) CHECK((freed[static_cast<std::size_t>(q)] != pg.indices[0] && freed[static_cast<std::size_t>(q)] != pg.indices[1]));
+  std::vector<std::int32_t> kept_counts;
+  for (std::int64_t r = 0; r < 4; ++r) kept_counts.push_back(a.indptr[static_cast<std::size_t>(r + 1)] - a.indptr[static_cast<std::size_t>(r)]);
+  for (std::int64_t bq = 0; bq < 2; ++bq)
+    for (std::int64_t h = 0; h < 2; ++h)
+      for (std::int64_t i = 0; i < kept_counts[static_cast<std::size_t>(bq * 2 + h)]; ++i) {
+        const std::int64_t page = pg.indices[static_cast<std::size_t>(pg.indptr[static_cast<std::size_t>(bq)] + i / 4)];
+        for (std::int64_t cc = 0; cc < 8; ++cc)
+          REQUIRE(pg.kpool[static_cast<std::size_t>(((page * 4 + i % 4) * 2 + h) * 8 + cc)] ==
+                  kc[static_cast<std::size_t>(((bq * 2 + h) * 60 + i) * 8 + cc)]);
+      }
+  // a prefix longer than a sequence; a prefix page used as an ordinary page by another row
+  std::vector<std::int32_t> too_long = {8, 46};
+  pg.in.pages.protected_prefix = too_long.data();
+  CHECK(std::string(kvtest::run_lib(ev, pg.in, kv::budget_request::tokens(20)).st.message())
+            .find("pages.protected_prefix[1] = 46 is outside [0, 45]") != std::string::npos);
+  std::vector<std::int32_t> only_first = {8, 0};
+  pg.in.pages.protected_prefix = only_first.data();
+  CHECK(std::string(kvtest::run_lib(ev, pg.in, kv::budget_request::tokens(20)).st.message())
+            .find("only pages wholly inside a protected prefix may be shared") != std::string::npos);
+}

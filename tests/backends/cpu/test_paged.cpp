@@ -272,3 +272,50 @@ TEST_CASE("paged: every page that holds a token is checked, whichever head is lo
   bad.pages.max_pages_per_row = -3;
   CHECK(ev.workspace_size(bad) == 0);
 }
+
+TEST_CASE("paged: a left-padded batch through a token-slot table (docs/integration.md) selects as the unpadded sequences") {
+  // reference: sequences of 50 and 43 tokens, contiguous HND with lengths
+  kvtest::shape sh;
+  sh.batch = 2, sh.kv_heads = 2, sh.group = 2, sh.cap = 50, sh.d = 8, sh.window = 4, sh.hidden = 16;
+  kvtest::problem p = kvtest::make_problem(sh, 61, 1.0, 1.0, 1.0, {50, 50, 43, 43});
+  kvtest::stored<float> st;
+  kvtest::store(p, kvtest::layout::hnd, st);
+  // the same batch left-padded: sequence 1 starts at slot 7 of a [2][2][50][8] buffer, NaN padding
+  const std::int64_t B = 2, H = 2, S = 50, d = 8;
+  std::vector<float> kbuf(static_cast<std::size_t>(B * H * S * d), std::nanf("")), vbuf(kbuf.size(), std::nanf(""));
+  const std::int64_t pad[2] = {0, 7};
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < S - pad[b]; ++t)
+        for (std::int64_t c = 0; c < d; ++c) {
+          kbuf[static_cast<std::size_t>(((b * H + h) * S + pad[b] + t) * d + c)] = static_cast<float>(p.K[p.kv_idx(b, h, t, c)]);
+          vbuf[static_cast<std::size_t>(((b * H + h) * S + pad[b] + t) * d + c)] = static_cast<float>(p.V[p.kv_idx(b, h, t, c)]);
+        }
+  std::vector<std::int32_t> indptr(1, 0), indices, last;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h) {
+      for (std::int64_t s = pad[b]; s < S; ++s) indices.push_back(static_cast<std::int32_t>((b * H + h) * S + s));
+      indptr.push_back(static_cast<std::int32_t>(indices.size()));
+      last.push_back(1);
+    }
+  kv::layer_inputs<float> in = st.in;
+  in.lengths = {};
+  in.keys = kv::page_pool_per_head<const float>(kbuf.data(), B * H * S, H, 1, d);
+  in.values = kv::page_pool_per_head<const float>(vbuf.data(), B * H * S, H, 1, d);
+  in.pages = kv::make_page_table(indptr.data(), indices.data(), last.data(), B, S);
+  in.pages.per_head = true;
+  auto check = [&](auto tag) {
+    using P = typename decltype(tag)::type;
+    kv::evictor<P, kv::cpu::backend> ev;
+    const auto a = kvtest::run_lib(ev, st.in, kv::budget_request::fraction(0.3));
+    const auto b = kvtest::run_lib(ev, in, kv::budget_request::fraction(0.3));
+    INFO(std::string(b.st.message()));
+    REQUIRE(a.st.ok());
+    REQUIRE(b.st.ok());
+    CHECK(a.indptr == b.indptr);
+    CHECK(a.indices == b.indices);
+  };
+  check(std::common_type<kv::presets::snapkv>{});
+  check(std::common_type<kv::presets::restkv>{});
+  check(std::common_type<kv::presets::adakv>{});
+}

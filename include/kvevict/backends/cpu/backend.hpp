@@ -190,10 +190,21 @@ cmap_rm row_source<T>::rows(std::int64_t r0, std::int64_t n, float* buf) const {
 
 template <class T>
 void row_source<T>::copy_rows(std::int64_t r0, std::int64_t n, float* buf) const {
-  // Page by page: each page's run of rows is one strided block (stage_rows widens it).
+  // Page by page: each page's run of rows is one strided block (stage_rows widens it). The next
+  // page's rows are prefetched while this one is widened: pages lie anywhere in the pool, so the
+  // hardware prefetcher, which follows streams, cannot guess them.
   for (std::int64_t i = 0; i < n;) {
     const std::int64_t r = r0 + i;
     const std::int64_t run = pages ? std::min(n - i, page_size - (r + page_offset) % page_size) : n - i;
+#if defined(__GNUC__) || defined(__clang__)
+    if (pages && col_stride == 1) {
+      const std::int64_t nr = std::min(page_size, n - i - run);  // rows of the next page in this call
+      for (std::int64_t q = 0; q < nr; ++q) {
+        const char* p = reinterpret_cast<const char*>(row_ptr(r + run + q));
+        for (std::int64_t off = 0; off < cols * static_cast<std::int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+      }
+    }
+#endif
     float* dst = buf + i * cols;
     const cmap_rm m = stage_rows(row_ptr(r), run, cols, row_stride, col_stride, dst);
     if (m.data() != dst) map_rm(dst, run, cols, Eigen::OuterStride<>(cols)) = m;

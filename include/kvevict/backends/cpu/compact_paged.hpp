@@ -159,6 +159,12 @@ template <class T>
         if (i > a && s <= sel.indices[i - 1])
           return status::error(errc::invalid_argument, "compact_paged: selection row %lld is not strictly ascending at %d", static_cast<long long>(r), i);
       }
+      const std::int64_t pre = t.prefix(b);
+      if (pre > 0 && (e - a < pre || sel.indices[a + pre - 1] != pre - 1))
+        return status::error(errc::invalid_argument,
+                             "compact_paged: selection row %lld drops a token of sequence %lld's protected prefix [0, %lld) (shared "
+                             "pages are never moved or freed: keep the prefix, e.g. num_sink >= the prefix)",
+                             static_cast<long long>(r), static_cast<long long>(b), static_cast<long long>(pre));
       if (!t.per_head && h > 0 && e - a != sel.indptr[sel_row(b, 0) + 1] - sel.indptr[sel_row(b, 0)])
         return status::error(errc::invalid_argument,
                              "compact_paged: sequence %lld keeps %d tokens in KV head 0 and %d in KV head %lld under a shared "
