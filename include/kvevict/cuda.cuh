@@ -10,8 +10,10 @@
 #include "kvevict/kvevict.hpp"
 #include "kvevict/backends/cuda/backend.cuh"
 #include "kvevict/backends/cuda/compact.cuh"
+#include "kvevict/backends/cuda/compact_paged.cuh"
 #include "kvevict/backends/cuda/evictor.cuh"
 #include "kvevict/backends/cuda/impl.cuh"
+#include "kvevict/backends/cuda/paged.cuh"
 #include "kvevict/backends/cuda/scorers.cuh"
 #include "kvevict/backends/cuda/select.cuh"
 // The built-in stages' implementation traits (one file each; impl.cuh describes the traits).

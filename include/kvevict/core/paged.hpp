@@ -108,4 +108,39 @@ KVEVICT_HOST_DEVICE inline kv_view<T> page_pool_per_head(T* data, std::int64_t n
   return v;
 }
 
+/// What compact_paged() (cpu:: and cuda::) reports; caller-allocated (host memory for cpu::,
+/// device memory for cuda::), written only on success.
+///   pages_kept    int32 (rows): pages each table row still uses (its first pages_kept entries of
+///                 indices; the engine drops the rest from its table)
+///   last_page_len int32 (rows): the row's new last_page_len, in [1, page_size], 0 for a row
+///                 left without tokens
+///   lengths       int32 (batch, kv_heads) row-major, optional: the new length of every
+///                 (sequence, KV head), for engines that keep lengths (vLLM's seq_lens)
+///   freed_pages   int32 (freed_capacity): the ids of the pages that held tokens and hold none
+///                 now, each once, in table order on the CPU and in ascending page id on CUDA
+///                 (deterministic either way); a page shared by several rows (per-head tables
+///                 over pages that span every head) only when every row let it go. *num_freed
+///                 receives their count
+/// freed_capacity >= indptr[rows] always suffices.
+struct paged_compaction_result {
+  std::int32_t* pages_kept = nullptr;
+  std::int32_t* last_page_len = nullptr;
+  std::int32_t* lengths = nullptr;
+  std::int32_t* freed_pages = nullptr;
+  std::int64_t freed_capacity = 0;
+  std::int64_t* num_freed = nullptr;
+};
+
+/// The paged cache compact_paged() (cpu:: and cuda::) works on: one layer's K and V pools (V optional), as
+/// layer_inputs reads them ((num_pages, kv_heads, page_size, head_dim), any strides; K and V may
+/// be the two halves of one combined buffer), its page table and, when the table has no
+/// last_page_len, the lengths (batch, kv_heads).
+template <class T>
+struct paged_cache {
+  kv_view<T> keys;
+  kv_view<T> values;
+  page_table_view pages;
+  lengths_view lengths;
+};
+
 }  // namespace kvevict

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <mutex>
+#include <numeric>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -28,6 +29,7 @@
 
 #include "backends/cuda/cpu_reference.hpp"
 #include "backends/cuda/model_reference.hpp"
+#include "reference/paged.hpp"
 #include "kvevict/backends/cuda/learned.cuh"
 #include "kvevict/cuda.cuh"
 
@@ -177,22 +179,17 @@ struct gpu_result {
   bool exact = false;  ///< capacity is the plan's exact kept count
 };
 
-/// plan() (with the host copy of the lengths unless host_lengths = false: then the device checks
-/// them) and run(plan) on device copies of the case; capacity = the plan's max_selected.
+/// plan() (with plan_options::host_lengths = hl when non-null) and run(plan) of device inputs
+/// `in`; capacity = the plan's max_selected.
 template <class P, class T>
-gpu_result gpu_run(const host_case<T>& c, const typename P::params& p, kv::budget_request budget, cudaStream_t stream = nullptr,
-                   bool host_lengths = true) {
+gpu_result gpu_run_inputs(const kv::layer_inputs<T>& in, const std::int32_t* hl, const typename P::params& p, kv::budget_request budget,
+                          cudaStream_t stream = nullptr) {
   gpu_result r;
-  dbuf<T> k(c.k), v(c.v), q(c.q);
-  dbuf<float> wo(c.wo);
-  dbuf<std::int32_t> lens(c.lens), pos(c.pos);
-  const auto in = c.views(k.p, v.p, q.p, wo.p, lens.p, pos.p);
   kv::cuda::backend be;
   be.stream = stream;
   kv::evictor<P, kv::cuda::backend> ev(p, be);
-  const std::vector<std::int32_t> hl = host_lengths_of(c);
   kv::plan_options opt;
-  if (host_lengths) opt.host_lengths = hl.data();
+  opt.host_lengths = hl;
   kv::eviction_plan pl;
   r.st = ev.plan(in, budget, &pl, opt);
   if (!r.st.ok()) return r;
@@ -218,6 +215,19 @@ gpu_result gpu_run(const host_case<T>& c, const typename P::params& p, kv::budge
   r.positions = positions.get(std::min<std::size_t>(total, r.capacity));
   r.scores = scores.get(rows * S);
   return r;
+}
+
+/// gpu_run_inputs on device copies of the case (with the host copy of the lengths unless
+/// host_lengths = false: then the device checks them).
+template <class P, class T>
+gpu_result gpu_run(const host_case<T>& c, const typename P::params& p, kv::budget_request budget, cudaStream_t stream = nullptr,
+                   bool host_lengths = true) {
+  dbuf<T> k(c.k), v(c.v), q(c.q);
+  dbuf<float> wo(c.wo);
+  dbuf<std::int32_t> lens(c.lens), pos(c.pos);
+  const auto in = c.views(k.p, v.p, q.p, wo.p, lens.p, pos.p);
+  const std::vector<std::int32_t> hl = host_lengths_of(c);
+  return gpu_run_inputs<P>(in, host_lengths ? hl.data() : nullptr, p, budget, stream);
 }
 
 struct compare_stats {
@@ -1304,8 +1314,12 @@ struct host_block_ctx {
 /// Run lkv_mlp_tile (the code of the CUDA LKV-T kernel) block by block with host threads and
 /// compare every written score with learned_mlp::utility on the fp32-widened rows.
 template <class T>
-void check_lkv_tile(unsigned seed, int d, int hidden, int S, int G, kv::lkv_activation act, kv::kv_layout lay, long& compared) {
+/// page_size > 0: the block code reads K/V through a paged copy (shuffled pages, per-head tables
+/// over one-head pages when per_head) instead of the contiguous view.
+void check_lkv_tile(unsigned seed, int d, int hidden, int S, int G, kv::lkv_activation act, kv::kv_layout lay, long& compared,
+                    int page_size = 0, bool per_head = false) {
   CAPTURE(seed);
+  CAPTURE(page_size);
   CAPTURE(d);
   CAPTURE(hidden);
   CAPTURE(S);
@@ -1314,6 +1328,16 @@ void check_lkv_tile(unsigned seed, int d, int hidden, int S, int G, kv::lkv_acti
   const auto art = make_tables(seed, 2, Hkv, d, hidden, act, 1.0f);
   const auto c = make_case<T>(seed, B, Hkv, G, S, std::min(S, 8), d, lay, false);
   const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  kvtest::paged_copy<T> pc;
+  kv::kv_view<const T> keys = hin.keys, values = hin.values;
+  kv::page_table_view pages;
+  if (page_size > 0) {
+    kvtest::make_paged(hin, page_size, lay == kv::kv_layout::hnd ? kvtest::pool_layout::hnd : kvtest::pool_layout::nhd, per_head,
+                       per_head, seed, pc);
+    keys = pc.in.keys;
+    values = pc.in.values;
+    pages = pc.in.pages;
+  }
   std::vector<std::int32_t> len(static_cast<std::size_t>(B) * Hkv);
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < Hkv; ++h) len[static_cast<std::size_t>(b * Hkv + h)] = c.len_of(b, h);
@@ -1337,7 +1361,7 @@ void check_lkv_tile(unsigned seed, int d, int hidden, int S, int G, kv::lkv_acti
       for (int t = 0; t < kv::cuda::detail::block_threads; ++t)
         th.emplace_back([&, t] {
           host_block_ctx cx{&sh, t};
-          kv::cuda::detail::lkv_mlp_tile<T>(cx, t, bx, kvi, *sm, hin.keys, hin.values, len.data(), needkv.data(), Hkv, G, S, m,
+          kv::cuda::detail::lkv_mlp_tile<T>(cx, t, bx, kvi, *sm, keys, values, pages, len.data(), needkv.data(), Hkv, G, S, m,
                                             out.data());
         });
       for (auto& x : th) x.join();
@@ -1376,6 +1400,10 @@ TEST_CASE("host: lkv_mlp_tile (the CUDA LKV-T kernel's block code) equals learne
   check_lkv_tile<kv::bfloat16_t>(201, 8, 32, 129, 2, kv::lkv_activation::silu, kv::kv_layout::hnd, compared);
   check_lkv_tile<kv::half_t>(202, 24, 40, 70, 1, kv::lkv_activation::relu, kv::kv_layout::nhd, compared);
   check_lkv_tile<float>(203, 128, 8, 200, 1, kv::lkv_activation::silu, kv::kv_layout::nhd, compared);
+  // the same block code through paged copies (NaN in every unused pool slot: a wrong page shows)
+  check_lkv_tile<kv::bfloat16_t>(204, 8, 32, 129, 2, kv::lkv_activation::silu, kv::kv_layout::hnd, compared, 16, false);
+  check_lkv_tile<kv::half_t>(205, 24, 40, 70, 1, kv::lkv_activation::relu, kv::kv_layout::nhd, compared, 1, true);
+  check_lkv_tile<float>(206, 64, 8, 200, 1, kv::lkv_activation::silu, kv::kv_layout::nhd, compared, 64, true);
   MESSAGE("lkv_mlp_tile: ", compared, " scores compared");
 }
 
@@ -1647,6 +1675,566 @@ TEST_CASE("cuda: dense and ragged compaction equal a host gather") {
   // in place is refused on CUDA
   auto same = kv::make_kv_view(k.p, 2, 2, S, D, kv::kv_layout::nhd);
   CHECK(kv::cuda::compact(src, kv::const_selection_view(dip.p, dix.p, rows), same).code() == kv::errc::not_supported);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged caches (backends/cuda/paged.cuh, compact_paged.cuh). The host tests run the code the
+// kernels run (kv_rows, check_page_row, compact_paged_head) on the host; the device tests compare
+// the paged views with the contiguous view of the same data on the device (same kernels, same
+// split: selections and scores bit-identical) and the device compaction with a naive gather.
+
+namespace {
+
+/// A small case in every pool layout, page size and table kind: calls f(paged_copy, hin, label).
+template <class T, class F>
+void for_paged_copies(const host_case<T>& c, F&& f) {
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  const kvtest::pool_layout lays[3] = {kvtest::pool_layout::nhd, kvtest::pool_layout::hnd, kvtest::pool_layout::token_innermost};
+  const int sizes[3] = {1, 16, 64};
+  std::uint64_t seed = c.seed;
+  for (const auto lay : lays)
+    for (const int ps : sizes)
+      for (int kind = 0; kind < 3; ++kind) {  // 0 per-sequence table, 1 per-head over all-head pages, 2 per-head one-head pages
+        kvtest::paged_copy<T> pc;
+        kvtest::make_paged(hin, ps, lay, kind > 0, kind == 2, ++seed, pc, /*with_last_page_len=*/seed % 2 == 0, 3, /*reversed=*/seed % 5 == 0);
+        const std::string label = std::string(kvtest::to_string(lay)) + " ps " + std::to_string(ps) + (kind == 0 ? " per-seq" : kind == 1 ? " per-head" : " per-head one-head pages");
+        f(pc, hin, label);
+      }
+}
+
+}  // namespace
+
+TEST_CASE("host: cuda::head_rows reads a paged pool token for token as the contiguous view") {
+  long compared = 0, bad = 0;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    auto c = make_case<T>(401, 2, 3, 1, 70, 8, 12, kv::kv_layout::nhd, false);
+    c.lens = {70, 33};
+    for_paged_copies(c, [&](const kvtest::paged_copy<T>& pc, const kv::layer_inputs<T>& hin, const std::string& label) {
+      for (int b = 0; b < c.B; ++b)
+        for (int h = 0; h < c.Hkv; ++h) {
+          const auto kr = kv::cuda::head_rows(pc.in.keys, pc.in.pages, b, h), vr = kv::cuda::head_rows(pc.in.values, pc.in.pages, b, h);
+          const auto kc = kv::cuda::head_rows(hin.keys, kv::page_table_view{}, b, h);
+          for (int n = 0; n < c.len_of(b, h); ++n)
+            for (int x = 0; x < c.d; ++x) {
+              ++compared;
+              const bool ok = std::memcmp(&kr.at(n, x), &hin.keys(b, h, n, x), sizeof(T)) == 0 &&
+                              std::memcmp(&vr.at(n, x), &hin.values(b, h, n, x), sizeof(T)) == 0 &&
+                              std::memcmp(&kc.at(n, x), &hin.keys(b, h, n, x), sizeof(T)) == 0;
+              if (!ok && bad++ < 5) MESSAGE(label, ": b ", b, " h ", h, " n ", n, " c ", x);
+            }
+        }
+    });
+  };
+  run(float{});
+  run(kv::half_t{});
+  run(kv::bfloat16_t{});
+  MESSAGE("head_rows: ", compared, " elements read through 27 paged copies per dtype");
+  CHECK(bad == 0);
+  CHECK(compared > 100000);
+}
+
+TEST_CASE("host: the device page-table checks (check_page_row) accept valid tables and name what is wrong") {
+  auto c = make_case<float>(402, 2, 2, 1, 40, 4, 8, kv::kv_layout::hnd, false);
+  c.lens = {40, 23};
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  auto first_error = [&](const kvtest::paged_copy<float>& pc) {
+    kv::cuda::detail::paged_table_args a;
+    a.t = pc.in.pages;
+    a.lens = pc.in.lengths;
+    a.P = pc.in.keys.extent[0];
+    a.H = pc.in.keys.extent[1];
+    a.ps = pc.in.keys.extent[2];
+    a.head_slots = pc.in.pages.per_head && pc.in.keys.stride[1] != 0;
+    kv::cuda::device_status st{};
+    for (std::int64_t r = 0; r < a.rows() && st.code == 0; ++r)
+      kv::cuda::detail::check_page_row(a, r, [&](kv::cuda::device_check k, std::int64_t a0, std::int64_t a1, std::int64_t a2, std::int64_t a3) {
+        st.code = static_cast<std::int32_t>(kv::errc::invalid_argument);
+        st.check = static_cast<std::int32_t>(k);
+        st.a0 = static_cast<std::int32_t>(a0), st.a1 = static_cast<std::int32_t>(a1), st.a2 = static_cast<std::int32_t>(a2),
+        st.a3 = static_cast<std::int32_t>(a3);
+      });
+    return kv::cuda::to_status(st);
+  };
+  auto has = [](const kv::status& s, const char* text) {
+    INFO(s.message());
+    return s.code() == kv::errc::invalid_argument && std::string(s.message()).find(text) != std::string::npos;
+  };
+  for (int per_head = 0; per_head < 2; ++per_head) {
+    CAPTURE(per_head);
+    kvtest::paged_copy<float> pc;
+    kvtest::make_paged(hin, 16, kvtest::pool_layout::nhd, per_head == 1, per_head == 1, 7, pc, true);
+    CHECK(first_error(pc).ok());
+    {
+      auto bad = pc;
+      bad.in.pages.indptr = bad.indptr.data(), bad.in.pages.indices = bad.indices.data();
+      bad.in.pages.last_page_len = bad.last_page_len.empty() ? nullptr : bad.last_page_len.data();
+      bad.in.lengths = bad.last_page_len.empty() ? kv::per_head_lengths(bad.lens.data(), 2, 2) : kv::lengths_view{};
+      if (!bad.last_page_len.empty()) {
+        bad.last_page_len[1] = 17;
+        CHECK(has(first_error(bad), "pages.last_page_len[1] = 17 must be in [1, page_size = 16]"));
+        bad.last_page_len[1] = 0;
+        CHECK(has(first_error(bad), "pages.last_page_len[1] = 0"));
+      }
+    }
+    {
+      auto bad = pc;
+      bad.in.pages.indptr = bad.indptr.data(), bad.in.pages.indices = bad.indices.data();
+      bad.in.pages.last_page_len = bad.last_page_len.empty() ? nullptr : bad.last_page_len.data();
+      bad.in.lengths = bad.last_page_len.empty() ? kv::per_head_lengths(bad.lens.data(), 2, 2) : kv::lengths_view{};
+      bad.in.pages.max_pages_per_row = 1;
+      CHECK(has(first_error(bad), "pages row 0 holds 3 pages, outside [0, max_pages_per_row = 1]"));
+      bad.in.pages.max_pages_per_row = pc.in.pages.max_pages_per_row;
+      bad.indptr[0] = 1;
+      CHECK(has(first_error(bad), "pages.indptr[0] = 1 must be 0"));
+      bad.indptr[0] = 0;
+      std::vector<std::int32_t> prefix = {3, 24};  // sequence 1 holds 23 tokens
+      bad.in.pages.protected_prefix = prefix.data();
+      CHECK(has(first_error(bad), "pages.protected_prefix[1] = 24 is outside [0, 23]"));
+      bad.in.pages.protected_prefix = nullptr;
+      std::vector<std::int32_t> lens = {40, 40, 23, 23};  // lengths beside last_page_len: must agree
+      bad.in.lengths = kv::per_head_lengths(lens.data(), 2, 2);
+      lens[2] = 22;
+      CHECK(has(first_error(bad), "lengths(1, 0) = 22 != the page table's 23 tokens"));
+      bad.in.pages.last_page_len = nullptr;  // lengths alone: at most pages * page_size
+      lens[2] = 33;
+      CHECK(has(first_error(bad), "lengths(1, 0) = 33 is outside [0, pages * page_size = 32]"));
+    }
+  }
+}
+
+namespace {
+
+/// The paged copy's pools as mutable views and its table (host pointers into pc).
+template <class T>
+kv::kv_view<T> mutable_pool(kvtest::paged_copy<T>& pc, bool values) {
+  kv::kv_view<T> v;
+  v.data = values ? pc.vpool.data() : pc.kpool.data();
+  for (int k = 0; k < 4; ++k) v.extent[k] = pc.in.keys.extent[k], v.stride[k] = pc.in.keys.stride[k];
+  return v;
+}
+
+/// After a compaction of `pc0` by the selection (ip, ix) (rows b * H + h, or b with
+/// per_sequence_set): every kept token i of (b, h) reads, through the table, the original token
+/// ix[ip[r] + i] (a naive gather of the contiguous view), and every other pool element is the
+/// original's (dropped slots past the kept count, other heads, spare pages: nothing else written).
+template <class T>
+long verify_compacted(const kvtest::paged_copy<T>& pc0, const std::vector<T>& kpool, const std::vector<T>& vpool, const kv::layer_inputs<T>& hin,
+                      const std::vector<std::int32_t>& ip, const std::vector<std::int32_t>& ix, bool per_sequence_set, long& moved) {
+  long bad = 0;
+  const int B = static_cast<int>(hin.batch()), H = static_cast<int>(hin.kv_heads());
+  kv::page_table_view t = pc0.in.pages;
+  t.indptr = pc0.indptr.data(), t.indices = pc0.indices.data();
+  std::vector<char> written(kpool.size(), 0);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const int r = per_sequence_set ? b : b * H + h;
+      const auto rows = kv::cuda::head_rows(pc0.in.keys, t, b, h);
+      for (int i = 0; i < ip[r + 1] - ip[r]; ++i)
+        for (int c = 0; c < hin.head_dim(); ++c) {
+          const std::size_t o = static_cast<std::size_t>(&rows.at(i, c) - pc0.in.keys.data);
+          written[o] = 1;
+          ++moved;
+          bad += std::memcmp(&kpool[o], &hin.keys(b, h, ix[static_cast<std::size_t>(ip[r] + i)], c), sizeof(T)) != 0;
+          bad += std::memcmp(&vpool[o], &hin.values(b, h, ix[static_cast<std::size_t>(ip[r] + i)], c), sizeof(T)) != 0;
+        }
+    }
+  for (std::size_t o = 0; o < written.size(); ++o)
+    if (!written[o]) {
+      bad += std::memcmp(&kpool[o], &pc0.kpool[o], sizeof(T)) != 0;
+      bad += std::memcmp(&vpool[o], &pc0.vpool[o], sizeof(T)) != 0;
+    }
+  return bad;
+}
+
+/// Run compact_paged_head (the CUDA compaction's block code) with `nt` host threads per (b, h)
+/// and tensor on a copy of pc0, then verify_compacted.
+template <class T>
+void check_compact_head(const kvtest::paged_copy<T>& pc0, const kv::layer_inputs<T>& hin, const std::vector<std::int32_t>& ip,
+                        const std::vector<std::int32_t>& ix, bool per_sequence_set, int nt, long& moved, long& bad) {
+  kvtest::paged_copy<T> pc = pc0;
+  const int B = static_cast<int>(hin.batch()), H = static_cast<int>(hin.kv_heads());
+  const kv::kv_view<T> kpool = mutable_pool(pc, false), vpool = mutable_pool(pc, true);
+  kv::page_table_view t = pc0.in.pages;
+  t.indptr = pc0.indptr.data(), t.indices = pc0.indices.data();
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const int r = per_sequence_set ? b : b * H + h;
+      for (int which = 0; which < 2; ++which) {
+        host_team_shared sh;
+        sh.nt = nt;
+        std::vector<std::thread> th;
+        for (int tid = 0; tid < nt; ++tid)
+          th.emplace_back([&, tid] {
+            host_team cx{&sh, tid};
+            kv::cuda::detail::compact_paged_head<T>(cx, tid, nt, which ? vpool : kpool, t, b, h, ix.data() + ip[r], ip[r + 1] - ip[r]);
+          });
+        for (auto& x : th) x.join();
+      }
+    }
+  bad += verify_compacted(pc0, pc.kpool, pc.vpool, hin, ip, ix, per_sequence_set, moved);
+}
+
+/// A selection of every (b, h): ascending random subsets (the first `pre` tokens always kept),
+/// the same count in every head of a sequence when equal_counts.
+std::vector<std::int32_t> random_selection(const case_meta& c, std::uint64_t seed, int rows_per_seq, bool equal_counts, int pre,
+                                           std::vector<std::int32_t>& ip) {
+  std::mt19937_64 g(seed);
+  std::vector<std::int32_t> ix;
+  ip.assign(1, 0);
+  for (int b = 0; b < c.B; ++b) {
+    int minlen = 1 << 30;
+    for (int h = 0; h < c.Hkv; ++h) minlen = std::min(minlen, c.len_of(b, h));
+    const int keep_eq = pre + static_cast<int>(g() % static_cast<std::uint64_t>(std::max(1, minlen - pre + 1)));
+    for (int h = 0; h < rows_per_seq; ++h) {
+      const int L = rows_per_seq == 1 ? minlen : c.len_of(b, h);
+      const int keep = equal_counts ? std::min(keep_eq, L) : pre + static_cast<int>(g() % static_cast<std::uint64_t>(std::max(1, L - pre + 1)));
+      std::vector<std::int32_t> all(static_cast<std::size_t>(L - pre));
+      std::iota(all.begin(), all.end(), pre);
+      std::shuffle(all.begin(), all.end(), g);
+      all.resize(static_cast<std::size_t>(std::max(0, keep - pre)));
+      std::sort(all.begin(), all.end());
+      for (int i = 0; i < pre; ++i) ix.push_back(i);
+      ix.insert(ix.end(), all.begin(), all.end());
+      ip.push_back(static_cast<std::int32_t>(ix.size()));
+    }
+  }
+  return ix;
+}
+
+}  // namespace
+
+TEST_CASE("host: compact_paged_head (the CUDA compaction's block code, host threads) equals a naive gather") {
+  long moved = 0, bad = 0;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    auto c = make_case<T>(403, 2, 2, 1, 150, 8, 24, kv::kv_layout::nhd, false);
+    c.per_head = true;
+    c.lens = {150, 150, 97, 61};
+    for_paged_copies(c, [&](const kvtest::paged_copy<T>& pc, const kv::layer_inputs<T>& hin, const std::string& label) {
+      CAPTURE(label);
+      const bool per_seq_table = !pc.in.pages.per_head;
+      std::vector<std::int32_t> ip;
+      // modes a (per-sequence table: equal counts) and b (per-head tables), then c (one set per sequence)
+      auto ix = random_selection(c, moved + 17, c.Hkv, per_seq_table, 2, ip);
+      check_compact_head(pc, hin, ip, ix, false, 4, moved, bad);
+      ix = random_selection(c, moved + 29, 1, false, 0, ip);
+      check_compact_head(pc, hin, ip, ix, true, 3, moved, bad);
+    });
+  };
+  run(float{});
+  run(kv::bfloat16_t{});
+  MESSAGE("compact_paged_head: ", moved, " kept elements compared, ", bad, " wrong");
+  CHECK(bad == 0);
+  CHECK(moved > 100000);
+}
+
+namespace {
+
+/// Device copies of a paged copy (pools, table, lengths) and of the case's queries, W_O factors
+/// and positions, and the device layer_inputs over them.
+template <class T>
+struct device_paged {
+  dbuf<T> k, v, q;
+  dbuf<float> wo;
+  dbuf<std::int32_t> ip, ix, lpl, lens, pos;
+  kv::layer_inputs<T> in;
+  device_paged(const kvtest::paged_copy<T>& pc, const host_case<T>& c)
+      : k(pc.kpool), v(pc.vpool), q(c.q), wo(c.wo), ip(pc.indptr), ix(pc.indices), lpl(pc.last_page_len), lens(pc.lens), pos(c.pos) {
+    in = pc.in;
+    in.keys.data = k.p;
+    if (in.values.data) in.values.data = v.p;
+    if (in.queries.data) in.queries.data = q.p;
+    if (in.wo_factor.data) in.wo_factor.data = wo.p;
+    if (in.positions.data) in.positions.data = pos.p;
+    in.pages.indptr = ip.p;
+    in.pages.indices = ix.p;
+    in.pages.last_page_len = pc.in.pages.last_page_len ? lpl.p : nullptr;
+    if (in.lengths.data) in.lengths.data = lens.p;
+  }
+};
+
+struct paged_stats {
+  long runs = 0, bad = 0, kept = 0;
+};
+
+/// One policy on the contiguous view and on paged copies of the same case (page sizes 1, 16, 64;
+/// per-sequence, per-head and one-head-page tables; NHD, HND and token-innermost pools; shuffled
+/// and descending page ids; lengths from last_page_len or from lengths; every other run without
+/// host lengths, so that the device derives them from the table): identical CSR, positions and
+/// scores over every valid slot. The capacity is kept at S (max_pages_per_row = S / page_size) so
+/// that the kernels split the keys as for the contiguous view.
+template <class P, class T>
+void compare_paged(const char* name, const host_case<T>& c, const typename P::params& p, kv::budget_request budget, paged_stats& ps) {
+  CAPTURE(name);
+  const auto want = gpu_run<P>(c, p, budget);
+  REQUIRE_MESSAGE(want.st.ok(), want.st.message());
+  REQUIRE_MESSAGE(want.dev.ok(), want.dev.message());
+  const std::vector<std::int32_t> hl = host_lengths_of(c);
+  for_paged_copies(c, [&](const kvtest::paged_copy<T>& pc0, const kv::layer_inputs<T>&, const std::string& label) {
+    CAPTURE(label);
+    kvtest::paged_copy<T> pc = pc0;
+    pc.in.pages.max_pages_per_row = c.S / pc.page_size;
+    device_paged<T> dp(pc, c);
+    const bool host_lengths = (ps.runs % 2) == 0;
+    const auto got = gpu_run_inputs<P>(dp.in, host_lengths ? hl.data() : nullptr, p, budget);
+    ++ps.runs;
+    REQUIRE_MESSAGE(got.st.ok(), got.st.message());
+    CHECK_MESSAGE(got.dev.ok(), got.dev.message());
+    bool same = got.indptr == want.indptr && got.indices == want.indices && got.positions == want.positions;
+    const std::int64_t rows = static_cast<std::int64_t>(want.indptr.size()) - 1, H = rows / c.B;
+    for (std::int64_t r = 0; r < rows && same; ++r) {
+      const int L = c.len_of(r / H, (r % H) / (H / c.Hkv));
+      same = std::memcmp(&got.scores[static_cast<std::size_t>(r * c.S)], &want.scores[static_cast<std::size_t>(r * c.S)],
+                         sizeof(float) * static_cast<std::size_t>(L)) == 0;
+    }
+    if (!same && ps.bad++ < 5) MESSAGE(name, " ", label, ": paged differs from contiguous");
+    ps.kept += want.indptr.back();
+  });
+}
+
+template <class T>
+void run_paged_grid(paged_stats& ps) {
+  auto c = make_case<T>(500u + static_cast<unsigned>(kv::dtype_of<T>::value), 2, 2, 2, 128, 8, 64, kv::kv_layout::hnd, false);
+  c.lens = {128, 77};
+  const auto tok = kv::budget_request::tokens(40);
+  {
+    using P = kv::presets::restkv;
+    auto p = P::defaults();
+    compare_paged<P>("restkv", c, p, tok, ps);
+    p.scorer.aggregation = kv::scorers::output_reconstruction::mode::before;
+    p.gqa = kv::gqa_reduction::per_query_head;
+    compare_paged<P>("restkv before, per query head", c, p, tok, ps);
+  }
+  compare_paged<kv::presets::snapkv>("snapkv", c, kv::presets::snapkv::defaults(), tok, ps);
+  {
+    auto cl = c;
+    cl.layer_idx = 3;
+    cl.num_layers = 8;
+    compare_paged<kv::presets::pyramidkv>("pyramidkv", cl, kv::presets::pyramidkv::defaults(), tok, ps);
+  }
+  compare_paged<kv::presets::adakv>("adakv", c, kv::presets::adakv::defaults(), tok, ps);
+  {
+    auto ch = make_case<T>(600u, 2, 2, 2, 128, 128, 64, kv::kv_layout::nhd, false);  // W = L
+    compare_paged<kv::presets::h2o>("h2o", ch, kv::presets::h2o::defaults(), tok, ps);
+  }
+  compare_paged<kv::presets::tova>("tova", c, kv::presets::tova::defaults(), tok, ps);
+  compare_paged<kv::presets::streaming_llm>("streaming_llm", c, kv::presets::streaming_llm::defaults(), tok, ps);
+  compare_paged<kv::presets::key_norm>("key_norm", c, kv::presets::key_norm::defaults(), kv::budget_request::fraction(0.3), ps);
+  compare_paged<kvevict_test::user_scorer_policy>("user value_norm", c, kvevict_test::user_scorer_policy::defaults(), tok, ps);
+  {
+    const auto art = make_tables(601u, 2, 2, 64, 32, kv::lkv_activation::silu, 1.0f);
+    kv::cuda::lkv_device_tables tables;
+    REQUIRE(tables.upload(art).ok());
+    auto cl = c;
+    cl.layer_idx = 1;
+    cl.num_layers = 2;
+    compare_paged<kv::lkv::full>("lkv full", cl, lkv_params<kv::lkv::full>(nullptr, &tables), kv::budget_request::fraction(0.3), ps);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda: paged views give the contiguous view's selections and scores, every preset") {
+  paged_stats ps;
+  run_paged_grid<float>(ps);
+  run_paged_grid<kv::half_t>(ps);
+  run_paged_grid<kv::bfloat16_t>(ps);
+  MESSAGE("paged vs contiguous on the device: ", ps.runs, " runs, ", ps.kept, " kept tokens compared, ", ps.bad, " differing");
+  CHECK(ps.bad == 0);
+  CHECK(ps.runs > 300);
+}
+
+TEST_CASE("cuda: bad page tables and NaN in a used page land in the device status word") {
+  using P = kv::presets::snapkv;
+  auto c = make_case<float>(610, 2, 2, 1, 64, 8, 8, kv::kv_layout::hnd, false);
+  c.lens = {64, 40};
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  kvtest::paged_copy<float> pc;
+  kvtest::make_paged(hin, 16, kvtest::pool_layout::nhd, false, false, 3, pc, true);
+  auto run = [&](kvtest::paged_copy<float> bad) {
+    device_paged<float> dp(bad, c);
+    return gpu_run_inputs<P>(dp.in, nullptr, P::defaults(), kv::budget_request::tokens(20));
+  };
+  auto expect = [](const gpu_result& r, kv::errc code, const char* text) {
+    REQUIRE_MESSAGE(r.st.ok(), r.st.message());
+    INFO(r.dev.message());
+    CHECK(r.dev.code() == code);
+    CHECK(std::string(r.dev.message()).find(text) != std::string::npos);
+  };
+  CHECK(run(pc).dev.ok());
+  {
+    auto b = pc;
+    b.indices[5] = b.indices[1];  // row 1's second page repeats row 0's
+    expect(run(b), kv::errc::invalid_argument, "repeats a page");
+  }
+  {
+    auto b = pc;
+    b.indices[2] = static_cast<std::int32_t>(pc.num_pages);
+    expect(run(b), kv::errc::invalid_argument, "is outside [0, num_pages)");
+  }
+  {
+    auto b = pc;
+    b.last_page_len[1] = 0;
+    expect(run(b), kv::errc::invalid_argument, "pages.last_page_len[1] = 0");
+  }
+  {
+    auto b = pc;  // NaN in a used slot: sequence 1, head 0, token 3
+    b.kpool[static_cast<std::size_t>(b.indices[static_cast<std::size_t>(b.indptr[1])] * pc.in.keys.stride[0] + 3 * pc.in.keys.stride[2])] = std::nanf("");
+    expect(run(b), kv::errc::non_finite_input, "keys(b=1, h=0, row 3)");
+  }
+}
+
+namespace {
+
+/// The host's expectation of a compaction's result: pages kept and last_page_len per table row,
+/// lengths per (b, h), the freed pages (ascending).
+struct paged_expect {
+  std::vector<std::int32_t> pages_kept, last_page_len, lengths, freed;
+};
+template <class T>
+paged_expect expect_result(const kvtest::paged_copy<T>& pc, const case_meta& c, const std::vector<std::int32_t>& ip, bool per_sequence_set) {
+  paged_expect e;
+  const int H = c.Hkv, ps = static_cast<int>(pc.page_size);
+  const bool per_head = pc.in.pages.per_head;
+  const int R = per_head ? c.B * H : c.B;
+  auto kept = [&](int b, int h) { const int r = per_sequence_set ? b : b * H + h; return ip[r + 1] - ip[r]; };
+  std::vector<int> state(static_cast<std::size_t>(pc.num_pages), 0);
+  for (int r = 0; r < R; ++r) {
+    const int b = per_head ? r / H : r, h = per_head ? r % H : 0;
+    int len = 0;
+    for (int hh = per_head ? h : 0; hh < (per_head ? h + 1 : H); ++hh) len = std::max(len, c.len_of(b, hh));
+    const int k = kept(b, h), np = (k + ps - 1) / ps, used = (len + ps - 1) / ps;
+    e.pages_kept.push_back(np);
+    e.last_page_len.push_back(k == 0 ? 0 : k - (np - 1) * ps);
+    for (int i = 0; i < used; ++i) state[static_cast<std::size_t>(pc.indices[static_cast<std::size_t>(pc.indptr[r] + i)])] |= i < np ? 1 : 2;
+  }
+  for (int b = 0; b < c.B; ++b)
+    for (int h = 0; h < H; ++h) e.lengths.push_back(kept(b, h));
+  for (std::size_t p = 0; p < state.size(); ++p)
+    if (state[p] == 2) e.freed.push_back(static_cast<std::int32_t>(p));
+  return e;
+}
+
+/// cuda::compact_paged of a paged copy by the selection (ip, ix); returns the device status and,
+/// when it is ok, checks the pools (verify_compacted) and the result against expect_result.
+template <class T>
+kv::status device_compact(const kvtest::paged_copy<T>& pc, const host_case<T>& c, const kv::layer_inputs<T>& hin,
+                          const std::vector<std::int32_t>& ip, const std::vector<std::int32_t>& ix, bool per_sequence_set, long& moved,
+                          long& bad, std::int64_t freed_capacity = -1, const std::int32_t* prefix = nullptr) {
+  device_paged<T> dp(pc, c);
+  dbuf<std::int32_t> dprefix(static_cast<std::size_t>(c.B));
+  if (prefix) {
+    CUDA_OK(cudaMemcpy(dprefix.p, prefix, sizeof(std::int32_t) * static_cast<std::size_t>(c.B), cudaMemcpyHostToDevice));
+    dp.in.pages.protected_prefix = dprefix.p;
+  }
+  kv::paged_cache<T> cache;
+  cache.keys = kv::kv_view<T>{};
+  cache.values = kv::kv_view<T>{};
+  for (int k = 0; k < 4; ++k) {
+    cache.keys.extent[k] = cache.values.extent[k] = dp.in.keys.extent[k];
+    cache.keys.stride[k] = cache.values.stride[k] = dp.in.keys.stride[k];
+  }
+  cache.keys.data = dp.k.p;
+  cache.values.data = dp.v.p;
+  cache.pages = dp.in.pages;
+  cache.lengths = dp.in.lengths;
+  dbuf<std::int32_t> sip(ip), six(ix);
+  const std::int64_t R = dp.in.pages.rows(c.Hkv), cap = freed_capacity >= 0 ? freed_capacity : static_cast<std::int64_t>(pc.indices.size());
+  const std::vector<std::int32_t> sentinel(static_cast<std::size_t>(std::max<std::int64_t>(R, std::max<std::int64_t>(cap, c.B * c.Hkv))), -9);
+  dbuf<std::int32_t> pk(sentinel), lp(sentinel), ln(sentinel), fr(sentinel);
+  dbuf<std::int64_t> nf(1);
+  kv::paged_compaction_result out;
+  out.pages_kept = pk.p;
+  out.last_page_len = lp.p;
+  out.lengths = ln.p;
+  out.freed_pages = fr.p;
+  out.freed_capacity = cap;
+  out.num_freed = nf.p;
+  dbuf<unsigned char> ws(kv::cuda::compact_paged_workspace_size(cache));
+  const kv::status st = kv::cuda::compact_paged(cache, kv::const_selection_view(sip.p, six.p, static_cast<std::int64_t>(ip.size()) - 1), out,
+                                                ws.p, ws.n);
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  const kv::status dev = kv::cuda::read_device_status(kv::cuda::compact_paged_status(ws.p));
+  const auto kpool = dp.k.get(pc.kpool.size()), vpool = dp.v.get(pc.vpool.size());
+  if (!dev.ok()) {  // untouched: the pools and the result buffers
+    bad += std::memcmp(kpool.data(), pc.kpool.data(), kpool.size() * sizeof(T)) != 0;
+    bad += std::memcmp(vpool.data(), pc.vpool.data(), vpool.size() * sizeof(T)) != 0;
+    bad += pk.get(sentinel.size()) != sentinel || fr.get(sentinel.size()) != sentinel;
+    return dev;
+  }
+  bad += verify_compacted(pc, kpool, vpool, hin, ip, ix, per_sequence_set, moved);
+  const paged_expect e = expect_result(pc, c, ip, per_sequence_set);
+  const std::int64_t n = nf.get(1)[0];
+  bad += pk.get(static_cast<std::size_t>(R)) != e.pages_kept;
+  bad += lp.get(static_cast<std::size_t>(R)) != e.last_page_len;
+  bad += ln.get(e.lengths.size()) != e.lengths;
+  bad += n != static_cast<std::int64_t>(e.freed.size()) || fr.get(e.freed.size()) != e.freed;
+  return dev;
+}
+
+}  // namespace
+
+TEST_CASE("cuda: compact_paged equals a naive gather in modes a, b and c; freed pages; errors leave the cache untouched") {
+  long moved = 0, bad = 0, runs = 0;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    auto c = make_case<T>(620, 2, 2, 1, 150, 8, 24, kv::kv_layout::nhd, false);
+    c.per_head = true;
+    c.lens = {150, 150, 97, 61};
+    for_paged_copies(c, [&](const kvtest::paged_copy<T>& pc, const kv::layer_inputs<T>& hin, const std::string& label) {
+      CAPTURE(label);
+      std::vector<std::int32_t> ip;
+      auto ix = random_selection(c, static_cast<std::uint64_t>(runs) + 17, c.Hkv, !pc.in.pages.per_head, 2, ip);
+      CHECK(device_compact(pc, c, hin, ip, ix, false, moved, bad).ok());
+      ix = random_selection(c, static_cast<std::uint64_t>(runs) + 29, 1, false, 0, ip);
+      CHECK(device_compact(pc, c, hin, ip, ix, true, moved, bad).ok());
+      runs += 2;
+    });
+  };
+  run(float{});
+  run(kv::bfloat16_t{});
+  CHECK(bad == 0);
+  CHECK(runs > 100);
+  MESSAGE("device compact_paged: ", runs, " runs, ", moved, " elements compared");
+
+  // errors: nothing written
+  auto c = make_case<float>(621, 2, 2, 1, 64, 8, 8, kv::kv_layout::nhd, false);
+  c.lens = {64, 40};
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  kvtest::paged_copy<float> pc;
+  kvtest::make_paged(hin, 16, kvtest::pool_layout::hnd, false, false, 5, pc, true);
+  // explicit selections: every row keeps slots {0, 1, 5, 9} (row 0 frees 3 of its 4 pages)
+  const std::vector<std::int32_t> ip = {0, 4, 8, 12, 16};
+  std::vector<std::int32_t> ix;
+  for (int r = 0; r < 4; ++r) ix.insert(ix.end(), {0, 1, 5, 9});
+  long m2 = 0, bad2 = 0;
+  CHECK(device_compact(pc, c, hin, ip, ix, false, m2, bad2).ok());
+  auto expect_error = [&](const kv::status& dev, kv::errc code, const char* text) {
+    INFO(dev.message());
+    CHECK(dev.code() == code);
+    CHECK(std::string(dev.message()).find(text) != std::string::npos);
+  };
+  {
+    const std::int32_t prefix[2] = {3, 3};  // slot 2 of the protected prefix is dropped
+    expect_error(device_compact(pc, c, hin, ip, ix, false, m2, bad2, -1, prefix), kv::errc::invalid_argument, "protected prefix");
+  }
+  {
+    const std::vector<std::int32_t> ipu = {0, 3, 5, 6, 7}, ixu = {0, 1, 2, 0, 1, 0, 0};  // sequence 0 keeps 3 and 2
+    expect_error(device_compact(pc, c, hin, ipu, ixu, false, m2, bad2), kv::errc::invalid_argument, "keeps 3 tokens in KV head 0 and 2");
+  }
+  {
+    auto ixb = ix;
+    ixb[3] = 64;  // sequence 0 holds 64 tokens
+    expect_error(device_compact(pc, c, hin, ip, ixb, false, m2, bad2), kv::errc::invalid_argument, "selection index 64 of row 0");
+  }
+  expect_error(device_compact(pc, c, hin, ip, ix, false, m2, bad2, 0), kv::errc::insufficient_capacity, "pages become free");
+  {
+    auto b = pc;
+    b.indices[4] = b.indices[0];  // sequence 1's first page is sequence 0's
+    expect_error(device_compact(b, c, hin, ip, ix, false, m2, bad2), kv::errc::invalid_argument, "repeats a page");
+  }
+  CHECK(bad2 == 0);
 }
 
 int main(int argc, char** argv) {

@@ -62,6 +62,16 @@ enum class device_check : std::int32_t {
   compact_capacity = 6,    ///< compaction: row a0 keeps a1 tokens > dst capacity a2
   lkv_lengths = 7,         ///< headwise_learned, num_tokens = 0: sequence a0 has length a2 in out row a1 != a3 in row 0
   lkv_apportion = 8,       ///< headwise_learned: sequence a0 cannot apportion total a1 over a2 heads of t = a3
+  page_indptr = 9,         ///< pages row a0 holds a1 pages outside [0, max_pages_per_row = a2]; a0 = -1: indptr[0] = a1 != 0
+  page_last_len = 10,      ///< pages.last_page_len[a0] = a1 outside [1, page_size = a2]
+  page_lengths_table = 11, ///< lengths(b=a0, h=a1) = a2 != the page table's a3 tokens
+  page_lengths_range = 12, ///< lengths(b=a0, h=a1) = a2 outside [0, pages * page_size = a3] of its table row
+  page_prefix = 13,        ///< pages.protected_prefix[a0] = a1 outside [0, a2], the tokens of KV head a3
+  page_id = 14,            ///< pages.indices[a0] = a1 (row a2, page a3) outside [0, num_pages)
+  page_repeat = 15,        ///< pages.indices[a0] = a1 (row a2, page a3) repeats a page of the table
+  compact_prefix = 16,     ///< compact_paged: selection row a0 drops a token of sequence a1's protected prefix [0, a2)
+  compact_unequal = 17,    ///< compact_paged: sequence a0 keeps a1 tokens in KV head 0 and a2 in KV head a3 (shared table)
+  compact_freed = 18,      ///< compact_paged: a0 pages become free > freed_capacity = a1
 };
 
 /// Build a host-side status from a device status word copied to the host.
@@ -95,6 +105,40 @@ inline status to_status(const device_status& s) {
     case device_check::lkv_apportion:
       return status::error(e, "headwise_learned: sequence %d cannot apportion total = %d over %d heads of t = %d (checked on the device)",
                            s.a0, s.a1, s.a2, s.a3);
+    case device_check::page_indptr:
+      if (s.a0 < 0) return status::error(e, "pages.indptr[0] = %d must be 0 (checked on the device)", s.a1);
+      return status::error(e, "pages row %d holds %d pages, outside [0, max_pages_per_row = %d] (checked on the device)", s.a0, s.a1, s.a2);
+    case device_check::page_last_len:
+      return status::error(e, "pages.last_page_len[%d] = %d must be in [1, page_size = %d] (checked on the device)", s.a0, s.a1, s.a2);
+    case device_check::page_lengths_table:
+      return status::error(e, "lengths(%d, %d) = %d != the page table's %d tokens ((pages - 1) * page_size + last_page_len; checked on the device)",
+                           s.a0, s.a1, s.a2, s.a3);
+    case device_check::page_lengths_range:
+      return status::error(e, "lengths(%d, %d) = %d is outside [0, pages * page_size = %d] of its page table row (checked on the device)",
+                           s.a0, s.a1, s.a2, s.a3);
+    case device_check::page_prefix:
+      return status::error(e, "pages.protected_prefix[%d] = %d is outside [0, %d], the tokens of sequence %d (KV head %d; checked on the device)",
+                           s.a0, s.a1, s.a2, s.a0, s.a3);
+    case device_check::page_id:
+      return status::error(e, "pages.indices[%d] = %d (row %d, page %d) is outside [0, num_pages) (checked on the device)", s.a0, s.a1,
+                           s.a2, s.a3);
+    case device_check::page_repeat:
+      return status::error(e,
+                           "pages.indices[%d] = %d (row %d, page %d) repeats a page of the table (only pages wholly inside a "
+                           "protected prefix may be shared; checked on the device)",
+                           s.a0, s.a1, s.a2, s.a3);
+    case device_check::compact_prefix:
+      return status::error(e,
+                           "compact_paged: selection row %d drops a token of sequence %d's protected prefix [0, %d) (shared pages are "
+                           "never moved or freed: keep the prefix, e.g. num_sink >= the prefix; checked on the device)",
+                           s.a0, s.a1, s.a2);
+    case device_check::compact_unequal:
+      return status::error(e,
+                           "compact_paged: sequence %d keeps %d tokens in KV head 0 and %d in KV head %d under a shared page table "
+                           "(one length per sequence): use uniform budgets, union_selections or pages.per_head (checked on the device)",
+                           s.a0, s.a1, s.a2, s.a3);
+    case device_check::compact_freed:
+      return status::error(e, "compact_paged: %d pages become free > result freed_capacity = %d (checked on the device)", s.a0, s.a1);
     default: break;
   }
   return status::error(e, "device status check %d (%d, %d, %d, %d)", s.check, s.a0, s.a1, s.a2, s.a3);

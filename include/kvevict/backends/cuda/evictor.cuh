@@ -14,6 +14,7 @@
 
 #include "kvevict/backends/cuda/backend.cuh"
 #include "kvevict/backends/cuda/impl.cuh"
+#include "kvevict/backends/cuda/paged.cuh"
 #include "kvevict/backends/cuda/select.cuh"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/workspace.hpp"
@@ -45,6 +46,10 @@ namespace kvevict {
 ///    is always indptr[r+1] - indptr[r], computed on the device (CUB DeviceScan).
 ///  - LKV (scorers::learned_mlp, budgeters::headwise_learned) needs its tables in device memory
 ///    (params.on_device = true, e.g. from cuda::lkv_device_tables, kvevict/backends/cuda/learned.cuh).
+///  - A paged cache (layer_inputs::pages) has its page table in device memory too: run() checks
+///    it on the device before any kernel reads through it (device_check::page_*; every length is
+///    then 0, nothing is read), and plan() knows its lengths only from plan_options::host_lengths.
+///    The scorer's implementation must read K/V through cuda::head_rows (reads_pages).
 /// Supported: head_dim <= 256, batch * q_heads <= 65535, the stages with a CUDA implementation
 /// trait (the built-ins but CriticalKV; a user's stage specialises its trait, impl.cuh).
 template <class Policy>
@@ -92,10 +97,12 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   template <class T>
   status plan(const layer_inputs<T>& in, const budget_request& budget, eviction_plan* out, const plan_options& opt = {}) const {
     typename front::plan_request rq = this->owned_request();
-    rq.lengths = in.lengths.data ? opt.host_lengths : nullptr;
+    // A paged cache's table is device memory: its lengths are known on the host only from
+    // opt.host_lengths (the table's, or in.lengths', host copy).
+    rq.lengths = (in.lengths.data || in.paged()) ? opt.host_lengths : nullptr;
     rq.lengths_stride[0] = in.kv_heads();
     rq.lengths_stride[1] = 1;
-    rq.lengths_known = in.lengths.data == nullptr || opt.host_lengths != nullptr;
+    rq.lengths_known = in.paged() ? opt.host_lengths != nullptr : (in.lengths.data == nullptr || opt.host_lengths != nullptr);
     rq.host_budgets = budgeter_i::host_budgets;
     rq.num_threads = 1;
     return front::make_plan(
@@ -140,6 +147,8 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   struct buffers {
     cuda::device_status* status = nullptr;
     std::int32_t* len_kv = nullptr;
+    std::int32_t* page_len = nullptr;             ///< [nkv] paged: the validated lengths (0 on a table error)
+    unsigned long long* page_cnt = nullptr;       ///< [page slots] paged: the duplicate check's counters
     kvevict::detail::head_plan* plankv = nullptr;
     std::uint8_t* needkv = nullptr;
     kvevict::detail::head_plan* plans = nullptr;
@@ -183,10 +192,12 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   /// The backend's limits and each stage implementation's plan-time checks.
   template <class T>
   status backend_check(const layer_inputs<T>& in) const {
-    if (in.paged())
-      return status::error(errc::not_supported,
-                           "layer_inputs::pages is set: paged KV caches are not supported by the CUDA backend yet (the CPU "
-                           "backend reads them; docs/integration.md)");
+    if constexpr (has_scores) {
+      if (in.paged() && !scorer_i::reads_pages)
+        return status::error(errc::not_supported,
+                             "layer_inputs::pages is set but this scorer's CUDA implementation reads contiguous K/V only: read "
+                             "K/V through cuda::head_rows and declare reads_pages = true in its scorer_impl (docs/cuda.md)");
+    }
     if (in.head_dim() > cuda::detail::max_head_dim)
       return status::error(errc::not_supported, "head_dim = %lld > %d is not supported by the CUDA backend",
                            static_cast<long long>(in.head_dim()), cuda::detail::max_head_dim);
@@ -207,6 +218,10 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     buffers bf;
     bf.status = c.template carve<cuda::device_status>(1);
     bf.len_kv = c.template carve<std::int32_t>(carve_count(sh.nkv));
+    if (sh.page_slots > 0) {
+      bf.page_len = c.template carve<std::int32_t>(carve_count(sh.nkv));
+      bf.page_cnt = c.template carve<unsigned long long>(carve_count(sh.page_slots));
+    }
     bf.plankv = c.template carve<kvevict::detail::head_plan>(carve_count(sh.nkv));
     bf.needkv = c.template carve<std::uint8_t>(carve_count(sh.nkv));
     bf.plans = c.template carve<kvevict::detail::head_plan>(carve_count(sh.rows));
@@ -247,6 +262,13 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
 
     record(0);
     KVEVICT_CUDA_TRY(cudaMemsetAsync(bf.status, 0, sizeof(cuda::device_status), st));
+    // 0. a paged cache: validate the device table before anything reads through it; the plan
+    //    kernel then reads the validated lengths (all 0 after a table error: nothing is read).
+    lengths_view lens = in.lengths;
+    if (in.paged()) {
+      KVEVICT_TRY(enqueue_page_table_check(paged_args_of(in), B, bf.page_cnt, bf.page_len, bf.status, st));
+      lens = per_head_lengths(bf.page_len, B, Hkv);
+    }
     // 1. plans, lengths, score-free budgets (whole-layer budgeters: all budgets)
     plan_shape ps;
     ps.B = B;
@@ -259,16 +281,26 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     ps.num_layers = sh.num_layers;
     ps.layer_mean = layer_mean;
     plan_kernel<Budgeter, budgeter_i, has_scores, typename Selector::params><<<B, T256, 0, st>>>(
-        in.lengths, ps, pl.budget, p_.selector, p_.budgeter, bf.status, bf.len_kv, bf.plankv, bf.needkv, bf.plans, bf.budgets, bf.need,
+        lens, ps, pl.budget, p_.selector, p_.budgeter, bf.status, bf.len_kv, bf.plankv, bf.needkv, bf.plans, bf.budgets, bf.need,
         bf.bu);
     KVEVICT_CUDA_CHECK_LAUNCH();
-    if (p_.check_finite) {
+    if (p_.check_finite && in.paged()) {
+      const std::int64_t n = static_cast<std::int64_t>(B) * Hkv * S * sh.d;
+      paged_finite_scan_kernel<T><<<grid_for(n), T256, 0, st>>>(in.keys, in.pages, 0, bf.len_kv, B, S, bf.status);
+      KVEVICT_CUDA_CHECK_LAUNCH();
+      if (in.values.data && Scorer::needs_values) {
+        paged_finite_scan_kernel<T><<<grid_for(n), T256, 0, st>>>(in.values, in.pages, 1, bf.len_kv, B, S, bf.status);
+        KVEVICT_CUDA_CHECK_LAUNCH();
+      }
+    } else if (p_.check_finite) {
       finite_scan_kernel<T><<<grid_for(in.keys.size()), T256, 0, st>>>(in.keys, 0, bf.len_kv, Hkv, 1, 0, bf.status);
       KVEVICT_CUDA_CHECK_LAUNCH();
       if (in.values.data && Scorer::needs_values) {
         finite_scan_kernel<T><<<grid_for(in.values.size()), T256, 0, st>>>(in.values, 1, bf.len_kv, Hkv, 1, 0, bf.status);
         KVEVICT_CUDA_CHECK_LAUNCH();
       }
+    }
+    if (p_.check_finite) {
       if (in.queries.data && Scorer::needs_queries) {
         finite_scan_kernel<T><<<grid_for(in.queries.size()), T256, 0, st>>>(in.queries, 2, bf.len_kv, Hkv, Gq, 1, bf.status);
         KVEVICT_CUDA_CHECK_LAUNCH();

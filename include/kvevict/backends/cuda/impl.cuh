@@ -61,6 +61,7 @@ struct layer_shape {
   std::int64_t nkv = 0;   ///< B * Hkv
   std::int64_t nq = 0;    ///< B * Hq
   int layer = 0, num_layers = 1;
+  std::int64_t page_slots = 0;  ///< paged: the page-table check's counters (num_pages, x kv_heads for per-head tables over pages of every head); 0: contiguous
   bool drift = false;  ///< the spatial smoother reads the per-query-head window drift (score_job::drift)
 
   template <class T>
@@ -81,6 +82,7 @@ struct layer_shape {
     s.layer = in.layer_idx;
     s.num_layers = in.num_layers;
     s.drift = drift;
+    if (in.paged()) s.page_slots = in.keys.extent[0] * ((in.pages.per_head && in.keys.stride[1] != 0) ? in.kv_heads() : 1);
     return s;
   }
 };
@@ -181,7 +183,12 @@ struct scorer_impl {
                 "device; a built-in scorer's file must be in the CUDA stage list, kvevict/cuda.cuh. CriticalKV (scorers::attention_value_norm + selectors::two_stage, presets::criticalkv / "
                 "critical_adakv) runs on the CPU backend only");
 };
-struct scorer_impl_base : stage_impl_base {};
+/// reads_pages: the implementation reads K/V through cuda::head_rows (backends/cuda/paged.cuh), so
+/// it accepts paged caches (layer_inputs::pages); false by default: the evictor refuses a paged
+/// cache for a scorer that indexes contiguous views itself.
+struct scorer_impl_base : stage_impl_base {
+  static constexpr bool reads_pages = false;
+};
 
 /// CUDA implementation of a temporal smoother: weights() enqueues the fp32 row weights of every
 /// KV head's effective window. Served for every smoother with a KVEVICT_HOST_DEVICE

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "kvevict/backends/cuda/backend.cuh"
+#include "kvevict/backends/cuda/paged.cuh"
 #include "kvevict/core/budget_rules.hpp"
 
 namespace kvevict {
@@ -28,8 +29,9 @@ namespace detail {
 /// the staged query row W - w + j and sees keys [0, L - w + j].
 template <class T>
 struct head_args {
-  kv_view<const T> keys;
+  kv_view<const T> keys;    ///< contiguous (batch, kv_heads, seq, d), or a page pool read through `pages`
   kv_view<const T> values;
+  page_table_view pages;     ///< device page table of a paged cache (empty: contiguous)
   const float* q = nullptr;              ///< staged queries, fp32 [B * Hq][W][d]
   const std::int32_t* len = nullptr;     ///< [B * Hkv]
   const std::uint8_t* needkv = nullptr;  ///< [B * Hkv] 1: this KV head is scored
@@ -54,12 +56,8 @@ struct head_args {
     r.row0 = last_only ? r.w - 1 : 0;
     return r;
   }
-  __device__ const T* key_base(const head& hd) const {
-    return keys.data + hd.b * keys.stride[0] + hd.h * keys.stride[1];
-  }
-  __device__ const T* value_base(const head& hd) const {
-    return values.data + hd.b * values.stride[0] + hd.h * values.stride[1];
-  }
+  __device__ kv_rows<const T> key_rows(const head& hd) const { return head_rows(keys, pages, hd.b, hd.h); }
+  __device__ kv_rows<const T> value_rows(const head& hd) const { return head_rows(values, pages, hd.b, hd.h); }
   __device__ const float* qrow(int qh, const head& hd, std::int64_t j) const {
     return q + (static_cast<std::int64_t>(qh) * W + (W - hd.w + j)) * d;
   }
@@ -130,7 +128,7 @@ __global__ void attn_stats_partial_kernel(head_args<T> a, int nsplit, double* pm
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const std::int64_t per = (hd.L + nsplit - 1) / nsplit;
   const std::int64_t n0 = split * per, n1 = (n0 + per < hd.L) ? n0 + per : hd.L;
-  const T* kb = a.key_base(hd);
+  const kv_rows<const T> kb = a.key_rows(hd);
   for (std::int64_t jc = hd.row0 + 32 * static_cast<std::int64_t>(blockIdx.z); jc < hd.w; jc += 32 * static_cast<std::int64_t>(gridDim.z)) {
     const int nj = static_cast<int>((hd.w - jc) < 32 ? (hd.w - jc) : 32);
     __syncthreads();
@@ -139,7 +137,7 @@ __global__ void attn_stats_partial_kernel(head_args<T> a, int nsplit, double* pm
     softmax_state st = softmax_state::empty();  // lane jj owns row jc + jj
     for (std::int64_t n = n0 + warp; n < n1; n += block_warps) {
       float kr[lane_slots];
-      load_row(kb, n, a.keys.stride[2], a.keys.stride[3], a.d, lane, kr);
+      load_row(kb, n, a.d, lane, kr);
       for (int jj = 0; jj < nj; ++jj) {
         const std::int64_t vis = hd.L - hd.w + jc + jj + 1;
         if (n >= vis) continue;
@@ -202,7 +200,7 @@ __global__ void attn_accum_kernel(head_args<T> a, const double* rm, const double
   const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * block_threads;
   if (base >= hd.L) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const T* kb = a.key_base(hd);
+  const kv_rows<const T> kb = a.key_rows(hd);
   const float* cw = a.cw + static_cast<std::int64_t>(hd.kvi) * a.W;
   double acc = 0.0;  // for key base + warp + block_warps * lane
   for (std::int64_t jc = hd.row0; jc < hd.w; jc += 32) {
@@ -220,7 +218,7 @@ __global__ void attn_accum_kernel(head_args<T> a, const double* rm, const double
       const std::int64_t n = base + warp + block_warps * i;
       if (n >= hd.L) break;
       float kr[lane_slots];
-      load_row(kb, n, a.keys.stride[2], a.keys.stride[3], a.d, lane, kr);
+      load_row(kb, n, a.d, lane, kr);
       for (int jj = 0; jj < nj; ++jj) {
         const std::int64_t vis = hd.L - hd.w + jc + jj + 1;
         if (n >= vis || sm_c[jj] == 0.0f) continue;
@@ -264,11 +262,11 @@ __global__ void drift_rows_kernel(head_args<T> a, const double* rm, const double
     const std::int64_t vis = hd.L - hd.w + j + 1;
     const double m = rm[vr], z1 = 1.0 + rz[vr];
     const float* qj = a.qrow(qh, hd, j);
-    const T* kb = a.key_base(hd);
+    const kv_rows<const T> kb = a.key_rows(hd);
     __syncthreads();
     for (std::int64_t n = warp; n < vis; n += block_warps) {
       float kr[lane_slots];
-      load_row(kb, n, a.keys.stride[2], a.keys.stride[3], a.d, lane, kr);
+      load_row(kb, n, a.d, lane, kr);
       const double l = warp_dot(kr, qj, a.d, lane) * a.scale;
       if (lane == 0) row[n] = static_cast<float>(exp(l - m) / z1);
     }
@@ -314,7 +312,7 @@ __global__ void drift_finalize_kernel(head_args<T> a, int nheads, const double* 
 /// Key norm: out[row * S + n] = -||k_n|| (fp64 accumulation), for the Gq rows of each KV head.
 /// grid (ceil(S / 8), B * Hkv * Gq), warp per key.
 template <class T>
-__global__ void key_norm_kernel(kv_view<const T> keys, const std::int32_t* len, const std::uint8_t* needkv, int Hkv, int Gq,
+__global__ void key_norm_kernel(kv_view<const T> keys, page_table_view pages, const std::int32_t* len, const std::uint8_t* needkv, int Hkv, int Gq,
                                 std::int64_t S, float* out) {
   const int row = blockIdx.y;
   const int b = row / (Hkv * Gq), h = (row % (Hkv * Gq)) / Gq, kvi = b * Hkv + h;
@@ -325,7 +323,7 @@ __global__ void key_norm_kernel(kv_view<const T> keys, const std::int32_t* len, 
   if (n >= L) return;
   const int d = static_cast<int>(keys.extent[3]);
   float kr[lane_slots];
-  load_row(keys.data + b * keys.stride[0] + h * keys.stride[1], n, keys.stride[2], keys.stride[3], d, lane, kr);
+  load_row(head_rows(keys, pages, b, h), n, d, lane, kr);
   double s = 0.0;
 #pragma unroll
   for (int t = 0; t < lane_slots; ++t) s += static_cast<double>(kr[t]) * kr[t];
@@ -374,7 +372,7 @@ struct lkv_mlp_smem {
 #pragma nv_exec_check_disable
 template <class T, class Ctx>
 KVEVICT_HOST_DEVICE inline void lkv_mlp_tile(Ctx& cx, int tid, int bx, int kvi, lkv_mlp_smem& sm, const kv_view<const T>& keys,
-                                             const kv_view<const T>& values, const std::int32_t* len, const std::uint8_t* needkv,
+                                             const kv_view<const T>& values, const page_table_view& pages, const std::int32_t* len, const std::uint8_t* needkv,
                                              int Hkv, int Gq, std::int64_t S, const lkv_mlp_args& m, float* out) {
   if (!needkv[kvi]) return;
   const std::int64_t L = len[kvi];
@@ -382,8 +380,7 @@ KVEVICT_HOST_DEVICE inline void lkv_mlp_tile(Ctx& cx, int tid, int bx, int kvi, 
   if (n0 >= L) return;  // uniform over the block
   const int b = kvi / Hkv, h = kvi % Hkv;
   const int d = static_cast<int>(keys.extent[3]), in_dim = 2 * d, hidden = m.hidden;
-  const T* kb = keys.data + b * keys.stride[0] + h * keys.stride[1];
-  const T* vb = values.data + b * values.stride[0] + h * values.stride[1];
+  const kv_rows<const T> kb = head_rows(keys, pages, b, h), vb = head_rows(values, pages, b, h);
   const float* W1 = m.w + static_cast<std::int64_t>(h) * m.block;
   const float* b1 = W1 + static_cast<std::int64_t>(hidden) * in_dim;
   const float* w2 = b1 + hidden;
@@ -404,8 +401,7 @@ KVEVICT_HOST_DEVICE inline void lkv_mlp_tile(Ctx& cx, int tid, int bx, int kvi, 
         const std::int64_t n = n0 + tok;
         float x = 0.0f;
         if (n < L && i < in_dim)
-          x = i < d ? to_float(kb[n * keys.stride[2] + static_cast<std::int64_t>(i) * keys.stride[3]])
-                    : to_float(vb[n * values.stride[2] + static_cast<std::int64_t>(i - d) * values.stride[3]]);
+          x = i < d ? to_float(kb.at(n, i)) : to_float(vb.at(n, i - d));
         sm.xs[kk][tok] = static_cast<double>(x);
       }
 #pragma unroll
@@ -468,12 +464,12 @@ struct lkv_device_ctx {
 
 template <class T>
 __global__ void __launch_bounds__(block_threads) lkv_mlp_kernel(kv_view<const T> keys, kv_view<const T> values,
-                                                                const std::int32_t* len, const std::uint8_t* needkv, int Hkv,
+                                                                page_table_view pages, const std::int32_t* len, const std::uint8_t* needkv, int Hkv,
                                                                 int Gq, std::int64_t S, lkv_mlp_args m, float* out) {
   __shared__ lkv_mlp_smem sm;
   lkv_device_ctx cx;
   lkv_mlp_tile<T>(cx, static_cast<int>(threadIdx.x), static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), sm, keys, values,
-                  len, needkv, Hkv, Gq, S, m, out);
+                  pages, len, needkv, Hkv, Gq, S, m, out);
 }
 
 /// Power-of-two value scale of a KV head (as the CPU backend): values whose largest |v| is
@@ -489,15 +485,15 @@ __device__ inline float value_scale_of(float vmax) {
 
 /// vscale[kvi] for every scored KV head: block per KV head, max |v| over the valid rows.
 template <class T>
-__global__ void value_scale_kernel(kv_view<const T> values, const std::int32_t* len, const std::uint8_t* needkv, int Hkv,
+__global__ void value_scale_kernel(kv_view<const T> values, page_table_view pages, const std::int32_t* len, const std::uint8_t* needkv, int Hkv,
                                    float* vscale) {
   __shared__ float red[block_threads];
   const int kvi = blockIdx.x, b = kvi / Hkv, h = kvi % Hkv;
   if (!needkv[kvi]) return;
   const std::int64_t L = len[kvi], D = values.extent[3];
+  const kv_rows<const T> vr = head_rows(values, pages, b, h);
   float mx = 0.0f;
-  for (std::int64_t i = threadIdx.x; i < L * D; i += blockDim.x)
-    mx = fmaxf(mx, fabsf(to_float(values(b, h, i / D, i % D))));
+  for (std::int64_t i = threadIdx.x; i < L * D; i += blockDim.x) mx = fmaxf(mx, fabsf(to_float(vr.at(i / D, i % D))));
   red[threadIdx.x] = mx;
   __syncthreads();
   for (int s = block_threads / 2; s > 0; s >>= 1) {
@@ -519,7 +515,7 @@ struct lor_args {
 template <class T>
 __device__ inline void load_value(const head_args<T>& a, const typename head_args<T>::head& hd, std::int64_t n, float vs,
                                   int lane, float (&vr)[lane_slots]) {
-  load_row(a.value_base(hd), n, a.values.stride[2], a.values.stride[3], a.d, lane, vr);
+  load_row(a.value_rows(hd), n, a.d, lane, vr);
   if (vs != 1.0f) {
 #pragma unroll
     for (int t = 0; t < lane_slots; ++t) vr[t] /= vs;
@@ -709,7 +705,7 @@ __global__ void lor_after_dominant_kernel(head_args<T> a, lor_args o, const doub
   __syncthreads();
   if (!(amax > 15.0f / 16.0f)) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const T* kb = a.key_base(hd);
+  const kv_rows<const T> kb = a.key_rows(hd);
   const float* cw = a.cw + static_cast<std::int64_t>(hd.kvi) * a.W;
   const std::int64_t zlim = o.include_window ? hd.L : hd.L - hd.w;
   const float vs = o.vscale[hd.kvi];
@@ -722,7 +718,7 @@ __global__ void lor_after_dominant_kernel(head_args<T> a, lor_args o, const doub
   for (std::int64_t n = warp; n < hd.L; n += block_warps) {
     if (n == n0) continue;
     float kr[lane_slots];
-    load_row(kb, n, a.keys.stride[2], a.keys.stride[3], a.d, lane, kr);
+    load_row(kb, n, a.d, lane, kr);
     for (std::int64_t j = hd.row0; j < hd.w; ++j) {
       if (!(cw[j] > 0.0f) || n >= hd.L - hd.w + j + 1) continue;
       const double l = warp_dot(kr, a.qrow(qh, hd, j), a.d, lane) * a.scale;
@@ -739,7 +735,7 @@ __global__ void lor_after_dominant_kernel(head_args<T> a, lor_args o, const doub
   for (std::int64_t n = warp; n < hd.L; n += block_warps) {
     if (n == n0) continue;
     float kr[lane_slots];
-    load_row(kb, n, a.keys.stride[2], a.keys.stride[3], a.d, lane, kr);
+    load_row(kb, n, a.d, lane, kr);
     double wn = 0.0;
     for (std::int64_t j = hd.row0; j < hd.w; ++j) {
       if (!(cw[j] > 0.0f) || n >= hd.L - hd.w + j + 1) continue;
@@ -764,7 +760,7 @@ __global__ void lor_after_dominant_kernel(head_args<T> a, lor_args o, const doub
   for (int c = threadIdx.x; c < a.d; c += blockDim.x) {
     double s = 0.0;
     for (int wv = 0; wv < block_warps; ++wv) s += numw[wv][c];
-    const float vn = to_float(a.values(hd.b, hd.h, n0, c)) / vs;
+    const float vn = to_float(a.value_rows(hd).at(n0, c)) / vs;
     diff[c] = s / den - static_cast<double>(vn);
   }
   __syncthreads();
@@ -804,7 +800,7 @@ __global__ void lor_before_row_kernel(head_args<T> a, lor_args o, const double* 
   const double M = rm[ri], z1 = 1.0 + rz[ri];
   const int am = ra[ri];
   const float vs = o.vscale[hd.kvi];
-  const T* kb = a.key_base(hd);
+  const kv_rows<const T> kb = a.key_rows(hd);
   const float* qj = a.qrow(qh, hd, j);
   const float* rt = o.rt ? o.rt + static_cast<std::int64_t>(hd.hq) * a.d * a.d : nullptr;
   double acc[lane_slots];
@@ -813,7 +809,7 @@ __global__ void lor_before_row_kernel(head_args<T> a, lor_args o, const double* 
   double m2 = -CUDART_INF;
   for (std::int64_t n = warp; n < vis; n += block_warps) {
     float kr[lane_slots], vr[lane_slots];
-    load_row(kb, n, a.keys.stride[2], a.keys.stride[3], a.d, lane, kr);
+    load_row(kb, n, a.d, lane, kr);
     const double l = warp_dot(kr, qj, a.d, lane) * a.scale;
     if (n != am && l > m2) m2 = l;
     const float p = static_cast<float>(exp(l - M) / z1);
@@ -849,7 +845,7 @@ __global__ void lor_before_row_kernel(head_args<T> a, lor_args o, const double* 
   const float pm = static_cast<float>(1.0 / z1);
   double sc;
   if (pm <= 15.0f / 16.0f) {
-    for (int cc = threadIdx.x; cc < a.d; cc += blockDim.x) dv[cc] = static_cast<double>(to_float(a.values(hd.b, hd.h, am, cc)) / vs);
+    for (int cc = threadIdx.x; cc < a.d; cc += blockDim.x) dv[cc] = static_cast<double>(to_float(a.value_rows(hd).at(am, cc)) / vs);
     __syncthreads();
     // ||RZ_j - R v_am||
     double p2 = 0.0;
@@ -875,7 +871,7 @@ __global__ void lor_before_row_kernel(head_args<T> a, lor_args o, const double* 
       for (std::int64_t n = warp; n < vis; n += block_warps) {
         if (n == am) continue;
         float kr[lane_slots], vr[lane_slots];
-        load_row(kb, n, a.keys.stride[2], a.keys.stride[3], a.d, lane, kr);
+        load_row(kb, n, a.d, lane, kr);
         const double l = warp_dot(kr, qj, a.d, lane) * a.scale;
         const double e = exp(l - m2);
         if (e == 0.0) continue;
@@ -893,7 +889,7 @@ __global__ void lor_before_row_kernel(head_args<T> a, lor_args o, const double* 
       double s = 0.0;
       for (int wv = 0; wv < block_warps; ++wv) s += zw[wv][cc];
       const double zh = den > 0.0 ? s / den : 0.0;
-      dv[cc] = zh - static_cast<double>(to_float(a.values(hd.b, hd.h, am, cc)) / vs);
+      dv[cc] = zh - static_cast<double>(to_float(a.value_rows(hd).at(am, cc)) / vs);
     }
     __syncthreads();
     const double dist = block_rnorm(dv, rt, a.d, red);
@@ -924,7 +920,7 @@ __global__ void lor_before_acc_kernel(head_args<T> a, lor_args o, const double* 
   const float vs = o.vscale[hd.kvi];
   const float* cw = a.cw + static_cast<std::int64_t>(hd.kvi) * a.W;
   float kr[lane_slots], vr[lane_slots], y[lane_slots];
-  load_row(a.key_base(hd), n, a.keys.stride[2], a.keys.stride[3], a.d, lane, kr);
+  load_row(a.key_rows(hd), n, a.d, lane, kr);
   load_value(a, hd, n, vs, lane, vr);
   if (o.rt) {
     warp_matvec_t(o.rt + static_cast<std::int64_t>(hd.hq) * a.d * a.d, vr, a.d, lane, y);

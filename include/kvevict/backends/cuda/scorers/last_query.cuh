@@ -12,6 +12,7 @@ namespace cuda {
 
 template <>
 struct scorer_impl<scorers::last_query> : scorer_impl_base {
+  static constexpr bool reads_pages = true;  // reads K/V through cuda::head_rows
   using scratch = detail::window_scratch;
   static scratch carve(workspace_carver& c, const layer_shape& sh, const scorers::last_query::params&) {
     return scratch::carve(c, sh);

@@ -14,6 +14,7 @@ namespace cuda {
 
 template <>
 struct scorer_impl<scorers::learned_mlp> : scorer_impl_base {
+  static constexpr bool reads_pages = true;  // reads K/V through cuda::head_rows
   using Scorer = scorers::learned_mlp;
 
   /// The weights live on the device and match the layer's shapes.
@@ -38,7 +39,7 @@ struct scorer_impl<scorers::learned_mlp> : scorer_impl_base {
     m.relu = sp.activation == lkv_activation::relu ? 1 : 0;
     const dim3 g(detail::ceil_div(sh.S, detail::lkv_tile_tokens), static_cast<unsigned>(sh.B * sh.Hkv));
     if (sh.S > 0)
-      detail::lkv_mlp_kernel<T><<<g, detail::block_threads, 0, job.stream>>>(job.in->keys, job.in->values, job.pb.len_kv,
+      detail::lkv_mlp_kernel<T><<<g, detail::block_threads, 0, job.stream>>>(job.in->keys, job.in->values, job.in->pages, job.pb.len_kv,
                                                                              job.pb.needkv, sh.Hkv, sh.Gq, sh.S, m, job.rows);
     KVEVICT_CUDA_CHECK_LAUNCH();
     return {};

@@ -19,6 +19,7 @@ namespace cuda {
 
 template <>
 struct scorer_impl<scorers::output_reconstruction> : scorer_impl_base {
+  static constexpr bool reads_pages = true;  // reads K/V through cuda::head_rows
   using Scorer = scorers::output_reconstruction;
 
   struct scratch {
@@ -71,7 +72,7 @@ struct scorer_impl<scorers::output_reconstruction> : scorer_impl_base {
     o.rt = sp.use_wo ? s.rt : nullptr;
     o.tau = sp.tau;
     o.include_window = sp.include_window_in_output ? 1 : 0;
-    value_scale_kernel<T><<<sh.B * sh.Hkv, T256, 0, st>>>(job.in->values, job.pb.len_kv, job.pb.needkv, sh.Hkv, s.vscale);
+    value_scale_kernel<T><<<sh.B * sh.Hkv, T256, 0, st>>>(job.in->values, job.in->pages, job.pb.len_kv, job.pb.needkv, sh.Hkv, s.vscale);
     KVEVICT_CUDA_CHECK_LAUNCH();
     if (sp.use_wo) {
       const std::int64_t nr = static_cast<std::int64_t>(sh.Hq) * d * d;

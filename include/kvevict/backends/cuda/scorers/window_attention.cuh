@@ -91,6 +91,7 @@ status window_attention_begin(const score_job<Policy, T>& job, const window_scra
   head_args<T>& a = wp->a;
   a.keys = in.keys;
   a.values = in.values;
+  a.pages = in.pages;
   a.q = ws.qs;
   a.len = job.pb.len_kv;
   a.needkv = job.pb.needkv;
