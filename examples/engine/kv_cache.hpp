@@ -54,7 +54,7 @@ public:
         const size_t kv = size_t(n_kv_heads) * size_t(capacity) * size_t(head_dim);
         layers_.assign(size_t(n_layers), layer{std::vector<float>(kv), std::vector<float>(kv),
                                                std::vector<std::int32_t>(size_t(n_kv_heads), 0),
-                                               std::vector<std::int32_t>(size_t(n_kv_heads) * size_t(capacity), 0)});
+                                               std::vector<std::int32_t>(size_t(n_kv_heads) * size_t(capacity), 0), {}, {}, {}});
         page_size_ = 0;
         max_pages_ = 0;
         next_position = 0;
@@ -70,7 +70,7 @@ public:
         const size_t P = size_t(n_kv_heads) * size_t(maxp), kv = P * size_t(page_size) * size_t(head_dim);
         layers_.assign(size_t(n_layers), layer{std::vector<float>(kv), std::vector<float>(kv),
                                                std::vector<std::int32_t>(size_t(n_kv_heads), 0),
-                                               std::vector<std::int32_t>(size_t(n_kv_heads) * size_t(capacity_), 0)});
+                                               std::vector<std::int32_t>(size_t(n_kv_heads) * size_t(capacity_), 0), {}, {}, {}});
         for (auto& l : layers_) {
             l.table.assign(P, -1);
             l.npages.assign(size_t(n_kv_heads), 0);

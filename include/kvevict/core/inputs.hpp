@@ -157,6 +157,44 @@ inline status validate_page_table_shape(const layer_inputs<T>& in) {
   return {};
 }
 
+/// A paged_cache (core/paged.hpp) as the layer_inputs that read it: keys, values, pages, lengths.
+template <class T>
+inline layer_inputs<T> paged_cache_inputs(const paged_cache<T>& c) {
+  layer_inputs<T> in;
+  in.keys = c.keys;
+  in.values = c.values;
+  in.pages = c.pages;
+  in.lengths = c.lengths;
+  return in;
+}
+
+/// The shapes compact_paged() checks on both backends before anything else (no table data read):
+/// keys and the table set, the pools' strides, values of the keys' shape, the table's shape, the
+/// lengths' shape (batch, kv_heads). The first error names the argument.
+template <class T>
+inline status validate_paged_cache_shapes(const paged_cache<T>& cache) {
+  if (!cache.keys.data) return status::error(errc::null_pointer, "compact_paged: keys.data is null");
+  if (!cache.pages.indptr) return status::error(errc::null_pointer, "compact_paged: pages.indptr is null (not a paged cache)");
+  const layer_inputs<T> in = paged_cache_inputs(cache);
+  KVEVICT_TRY(check_view_strides(in.keys, "compact_paged keys"));
+  if (in.values.data) {
+    KVEVICT_TRY(check_view_strides(in.values, "compact_paged values"));
+    for (int k = 0; k < 4; ++k)
+      if (in.values.extent[k] != in.keys.extent[k])
+        return status::error(errc::shape_mismatch, "compact_paged: values.extent[%d] = %lld != keys.extent[%d] = %lld", k,
+                             static_cast<long long>(in.values.extent[k]), k, static_cast<long long>(in.keys.extent[k]));
+  }
+  KVEVICT_TRY(validate_page_table_shape(in));
+  if (in.lengths.data) {
+    KVEVICT_TRY(check_view_strides(in.lengths, "compact_paged lengths"));
+    if (in.lengths.extent[0] != in.batch() || in.lengths.extent[1] != in.kv_heads())
+      return status::error(errc::shape_mismatch, "compact_paged: lengths shape (%lld, %lld) != (batch, kv_heads) = (%lld, %lld)",
+                           static_cast<long long>(in.lengths.extent[0]), static_cast<long long>(in.lengths.extent[1]),
+                           static_cast<long long>(in.batch()), static_cast<long long>(in.kv_heads()));
+  }
+  return {};
+}
+
 /// Pages of table row r that hold tokens: ceil(length / page_size), the longest head's for a
 /// per-sequence table.
 template <class T>

@@ -27,16 +27,6 @@ using kvevict::paged_compaction_result;
 namespace detail {
 
 template <class T>
-inline layer_inputs<T> paged_as_inputs(const paged_cache<T>& c) {
-  layer_inputs<T> in;
-  in.keys = c.keys;
-  in.values = c.values;
-  in.pages = c.pages;
-  in.lengths = c.lengths;
-  return in;
-}
-
-template <class T>
 inline void move_row(const kv_view<T>& pool, const std::int32_t* pages, std::int64_t h, std::int64_t from, std::int64_t to) {
   const std::int64_t ps = pool.extent[2], D = pool.extent[3];
   T* base = pool.data + h * pool.stride[1];
@@ -56,7 +46,7 @@ inline void move_row(const kv_view<T>& pool, const std::int32_t* pages, std::int
 /// freed-page bookkeeping.
 template <class T>
 std::size_t compact_paged_workspace_size(const paged_cache<T>& cache) {
-  const std::int64_t n = kvevict::detail::page_table_check_bytes(detail::paged_as_inputs(cache));
+  const std::int64_t n = kvevict::detail::page_table_check_bytes(kvevict::detail::paged_cache_inputs(cache));
   return static_cast<std::size_t>(std::max<std::int64_t>(n, cache.pages.indptr ? cache.keys.extent[0] : 0));
 }
 
@@ -82,25 +72,8 @@ std::size_t compact_paged_workspace_size(const paged_cache<T>& cache) {
 template <class T>
 [[nodiscard]] status compact_paged(const paged_cache<T>& cache, const_selection_view sel, paged_compaction_result out,
                                    void* workspace, std::size_t workspace_bytes) {
-  if (!cache.keys.data) return status::error(errc::null_pointer, "compact_paged: keys.data is null");
-  if (!cache.pages.indptr) return status::error(errc::null_pointer, "compact_paged: pages.indptr is null (not a paged cache)");
-  const layer_inputs<T> in = detail::paged_as_inputs(cache);
-  KVEVICT_TRY(kvevict::detail::check_view_strides(in.keys, "compact_paged keys"));
-  if (in.values.data) {
-    KVEVICT_TRY(kvevict::detail::check_view_strides(in.values, "compact_paged values"));
-    for (int k = 0; k < 4; ++k)
-      if (in.values.extent[k] != in.keys.extent[k])
-        return status::error(errc::shape_mismatch, "compact_paged: values.extent[%d] = %lld != keys.extent[%d] = %lld", k,
-                             static_cast<long long>(in.values.extent[k]), k, static_cast<long long>(in.keys.extent[k]));
-  }
-  KVEVICT_TRY(kvevict::detail::validate_page_table_shape(in));
-  if (in.lengths.data) {
-    KVEVICT_TRY(kvevict::detail::check_view_strides(in.lengths, "compact_paged lengths"));
-    if (in.lengths.extent[0] != in.batch() || in.lengths.extent[1] != in.kv_heads())
-      return status::error(errc::shape_mismatch, "compact_paged: lengths shape (%lld, %lld) != (batch, kv_heads) = (%lld, %lld)",
-                           static_cast<long long>(in.lengths.extent[0]), static_cast<long long>(in.lengths.extent[1]),
-                           static_cast<long long>(in.batch()), static_cast<long long>(in.kv_heads()));
-  }
+  KVEVICT_TRY(kvevict::detail::validate_paged_cache_shapes(cache));
+  const layer_inputs<T> in = kvevict::detail::paged_cache_inputs(cache);
   const std::size_t need = compact_paged_workspace_size(cache);
   if (!workspace || workspace_bytes < need)
     return status::error(errc::insufficient_workspace, "compact_paged: workspace_bytes = %zu < %zu needed (compact_paged_workspace_size)",

@@ -218,18 +218,6 @@ inline compact_paged_buffers carve_compact_paged(kvevict::detail::workspace_carv
   return bf;
 }
 
-template <class T>
-inline paged_table_args compact_args_of(const paged_cache<T>& cache) {
-  paged_table_args a;
-  a.t = cache.pages;
-  a.lens = cache.lengths;
-  a.P = cache.keys.extent[0];
-  a.H = cache.keys.extent[1];
-  a.ps = cache.keys.extent[2];
-  a.head_slots = cache.pages.per_head && cache.keys.stride[1] != 0;
-  return a;
-}
-
 }  // namespace detail
 
 /// Bytes of device workspace cuda::compact_paged() needs (shapes only; any alignment): the
@@ -239,7 +227,7 @@ inline paged_table_args compact_args_of(const paged_cache<T>& cache) {
 template <class T>
 std::size_t compact_paged_workspace_size(const paged_cache<T>& cache) {
   kvevict::detail::workspace_carver c;
-  (void)detail::carve_compact_paged(c, detail::compact_args_of(cache), cache.pages.batch);
+  (void)detail::carve_compact_paged(c, detail::paged_args_of(kvevict::detail::paged_cache_inputs(cache)), cache.pages.batch);
   return c.bytes() + kvevict::detail::workspace_carver::alignment;
 }
 
@@ -263,30 +251,9 @@ inline device_status* compact_paged_status(void* workspace) {
 template <class T>
 [[nodiscard]] status compact_paged(const paged_cache<T>& cache, const_selection_view sel, paged_compaction_result out, void* workspace,
                                    std::size_t workspace_bytes, cudaStream_t stream = nullptr) {
-  if (!cache.keys.data) return status::error(errc::null_pointer, "compact_paged: keys.data is null");
-  if (!cache.pages.indptr) return status::error(errc::null_pointer, "compact_paged: pages.indptr is null (not a paged cache)");
-  layer_inputs<T> in;
-  in.keys = cache.keys;
-  in.values = cache.values;
-  in.pages = cache.pages;
-  in.lengths = cache.lengths;
-  KVEVICT_TRY(kvevict::detail::check_view_strides(in.keys, "compact_paged keys"));
-  if (in.values.data) {
-    KVEVICT_TRY(kvevict::detail::check_view_strides(in.values, "compact_paged values"));
-    for (int k = 0; k < 4; ++k)
-      if (in.values.extent[k] != in.keys.extent[k])
-        return status::error(errc::shape_mismatch, "compact_paged: values.extent[%d] = %lld != keys.extent[%d] = %lld", k,
-                             static_cast<long long>(in.values.extent[k]), k, static_cast<long long>(in.keys.extent[k]));
-  }
-  KVEVICT_TRY(kvevict::detail::validate_page_table_shape(in));
+  KVEVICT_TRY(kvevict::detail::validate_paged_cache_shapes(cache));
+  const layer_inputs<T> in = kvevict::detail::paged_cache_inputs(cache);
   const std::int64_t B = in.batch(), H = in.kv_heads();
-  if (in.lengths.data) {
-    KVEVICT_TRY(kvevict::detail::check_view_strides(in.lengths, "compact_paged lengths"));
-    if (in.lengths.extent[0] != B || in.lengths.extent[1] != H)
-      return status::error(errc::shape_mismatch, "compact_paged: lengths shape (%lld, %lld) != (batch, kv_heads) = (%lld, %lld)",
-                           static_cast<long long>(in.lengths.extent[0]), static_cast<long long>(in.lengths.extent[1]),
-                           static_cast<long long>(B), static_cast<long long>(H));
-  }
   if (!sel.indptr || !sel.indices) return status::error(errc::null_pointer, "compact_paged: selection indptr/indices is null");
   if (sel.rows != B * H && sel.rows != B)
     return status::error(errc::shape_mismatch, "compact_paged: selection rows = %lld is neither batch * kv_heads = %lld nor batch = %lld",
@@ -307,7 +274,7 @@ template <class T>
   using namespace detail;
   kvevict::detail::workspace_carver c(kvevict::detail::workspace_carver::align_up(workspace));
   detail::compact_paged_args ca;
-  ca.a = compact_args_of(cache);
+  ca.a = paged_args_of(in);
   const compact_paged_buffers bf = carve_compact_paged(c, ca.a, B);
   ca.sel = sel;
   ca.B = B;
