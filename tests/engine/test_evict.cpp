@@ -7,6 +7,7 @@
 #include "../../examples/engine/tokenizer.hpp"
 #include "../../examples/fidelity/oracle.hpp"
 #include "../../examples/fidelity/random_policy.hpp"
+#include "engine_fixture.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -20,31 +21,7 @@ using namespace kvevict_engine;
 
 namespace {
 
-struct fixture {
-    std::string dir = resolve_model_dir();
-    bool available = false;
-    std::string error;
-    model m;
-    tokenizer tok;
-    wo_factors wo;
-    fixture() {
-        if (!model_dir_exists(dir)) return;
-        if (auto r = load_model(model_file(dir), m); !r) { error = r.error; return; }
-        if (auto r = tok.load(tokenizer_file(dir), m.cfg.vocab_size); !r) { error = r.error; return; }
-        if (auto r = wo.compute(m); !r) { error = r.error; return; }
-        available = true;
-    }
-};
-const fixture& fx() {
-    static fixture f;
-    return f;
-}
-#define REQUIRE_MODEL_OR_SKIP()                                                                               \
-    if (!fx().available) {                                                                                    \
-        if (!fx().error.empty()) FAIL("model folder '" << fx().dir << "' present but failed: " << fx().error); \
-        MESSAGE("skipping: model folder '" << fx().dir << "' not found (set KVEVICT_MODEL_DIR)");             \
-        return;                                                                                               \
-    }
+using kvevict_engine_test::fx;
 
 /// Tokens of `chars` characters of sherlock.txt starting at `offset` (fallback text when missing).
 std::vector<int> text_tokens(size_t offset, size_t chars) {

@@ -8,6 +8,7 @@
 #include "../../examples/engine/layerwise_prefill.hpp"
 #include "../../examples/engine/model_path.hpp"
 #include "../../examples/engine/tokenizer.hpp"
+#include "engine_fixture.hpp"
 
 #include <kvevict/backends/cpu/learned.hpp>
 
@@ -23,37 +24,7 @@ using namespace kvevict_engine;
 
 namespace {
 
-struct paged_fixture {
-    std::string dir = resolve_model_dir();
-    bool available = false;
-    std::string error;
-    model m;
-    tokenizer tok;
-    wo_factors wo;
-    kvevict::io::lkv_artifact art;
-    bool have_lkv = false;
-    paged_fixture() {
-        if (!model_dir_exists(dir)) return;
-        if (auto r = load_model(model_file(dir), m); !r) { error = r.error; return; }
-        if (auto r = tok.load(tokenizer_file(dir), m.cfg.vocab_size); !r) { error = r.error; return; }
-        if (auto r = wo.compute(m); !r) { error = r.error; return; }
-        available = true;
-        const std::string path = std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/stories260K.lkv";
-        kvevict::io::lkv_model_identity id;
-        have_lkv = kvevict::io::read_lkv_artifact(path.c_str(), &art).ok() &&
-                   kvevict::io::checkpoint_identity(model_file(dir).c_str(), &id).ok() && kvevict::io::check_model(art, id).ok();
-    }
-};
-const paged_fixture& pfx() {
-    static paged_fixture f;
-    return f;
-}
-#define REQUIRE_MODEL_OR_SKIP_PAGED()                                                                            \
-    if (!pfx().available) {                                                                                      \
-        if (!pfx().error.empty()) FAIL("model folder '" << pfx().dir << "' present but failed: " << pfx().error); \
-        MESSAGE("skipping: model folder '" << pfx().dir << "' not found (set KVEVICT_MODEL_DIR)");               \
-        return;                                                                                                  \
-    }
+using kvevict_engine_test::fx;
 
 /// Tokens of `chars` characters of sherlock.txt from `offset`, newlines as spaces (FAILs if the text is missing).
 std::vector<int> sherlock_tokens(size_t offset, size_t chars) {
@@ -63,13 +34,13 @@ std::vector<int> sherlock_tokens(size_t offset, size_t chars) {
     text = text.substr(offset, chars);
     for (char& c : text)
         if (c == '\n') c = ' ';
-    return pfx().tok.encode(text);
+    return fx().tok.encode(text);
 }
 
 layer_state layer_of(kv_cache& cache, int layer, const query_log* log, kvevict::budget_request b) {
     layer_state s;
-    s.m = &pfx().m;
-    s.wo = &pfx().wo;
+    s.m = &fx().m;
+    s.wo = &fx().wo;
     s.cache = &cache;
     s.layer = layer;
     s.queries = log;
@@ -120,8 +91,8 @@ named_method named(std::string name, typename Policy::params p, int window = 32)
 
 TEST_CASE("paged cache: prefill, eviction (snapkv, adakv, pyramidkv, LKV) and decoding equal the contiguous cache bit for bit; "
           "head-wise budgets free pages") {
-    REQUIRE_MODEL_OR_SKIP_PAGED();
-    const model& m = pfx().m;
+    REQUIRE_MODEL_OR_SKIP();
+    const model& m = fx().m;
     const config& c = m.cfg;
     const std::vector<int> prompt = sherlock_tokens(12000, 760);
     const int n = int(prompt.size()), steps = 6;
@@ -130,7 +101,7 @@ TEST_CASE("paged cache: prefill, eviction (snapkv, adakv, pyramidkv, LKV) and de
     namespace P = kvevict::presets;
     std::vector<named_method> methods{named<P::snapkv>("SnapKV", P::snapkv::defaults()), named<P::adakv>("AdaKV", P::adakv::defaults()),
                                       named<P::pyramidkv>("PyramidKV", P::pyramidkv::defaults())};
-    if (pfx().have_lkv) methods.push_back(named<kvevict::lkv::full>("LKV", kvevict::lkv::full_params(pfx().art), 0));
+    if (fx().have_lkv) methods.push_back(named<kvevict::lkv::full>("LKV", kvevict::lkv::full_params(fx().art), 0));
     else MESSAGE("LKV rows skipped: artifacts/lkv/stories260K.lkv missing or for another model");
     const kvevict::budget_request budget = kvevict::budget_request::fraction(0.3);
 
@@ -200,8 +171,8 @@ TEST_CASE("paged cache: prefill, eviction (snapkv, adakv, pyramidkv, LKV) and de
 }
 
 TEST_CASE("paged cache: AdaKV frees pages per head by its head-wise budgets; freed pages are reused by later appends") {
-    REQUIRE_MODEL_OR_SKIP_PAGED();
-    const model& m = pfx().m;
+    REQUIRE_MODEL_OR_SKIP();
+    const model& m = fx().m;
     const config& c = m.cfg;
     const std::vector<int> prompt = sherlock_tokens(30000, 700);
     const int n = int(prompt.size()), ps = 16;
@@ -235,8 +206,8 @@ TEST_CASE("paged cache: AdaKV frees pages per head by its head-wise budgets; fre
 }
 
 TEST_CASE("paged cache: sessions (chunked prefill + decode-time cap) and layer-wise LKV prefill equal the contiguous cache") {
-    REQUIRE_MODEL_OR_SKIP_PAGED();
-    const model& m = pfx().m;
+    REQUIRE_MODEL_OR_SKIP();
+    const model& m = fx().m;
     const std::vector<int> prompt = sherlock_tokens(50000, 600);
     session_options o;
     o.prefill = prefill_mode::chunked;
@@ -248,7 +219,7 @@ TEST_CASE("paged cache: sessions (chunked prefill + decode-time cap) and layer-w
         session_options po = o;
         po.page_size = ps;
         const method meth = policy_method<kvevict::presets::adakv>("AdaKV");
-        eviction_session a(m, pfx().wo, meth, o, 100), b(m, pfx().wo, meth, po, 100);
+        eviction_session a(m, fx().wo, meth, o, 100), b(m, fx().wo, meth, po, 100);
         REQUIRE(b.cache().paged());
         std::vector<float> la, lb;
         REQUIRE(a.prefill(prompt, la));
@@ -265,11 +236,11 @@ TEST_CASE("paged cache: sessions (chunked prefill + decode-time cap) and layer-w
         check_same_contents(a.cache(), b.cache());
         check_pages(b.cache());
     }
-    if (!pfx().have_lkv) {
+    if (!fx().have_lkv) {
         MESSAGE("LKV layer-wise part skipped: artifacts/lkv/stories260K.lkv missing or for another model");
         return;
     }
-    const kvevict::evictor<kvevict::lkv::full, kvevict::cpu::backend> ev(kvevict::lkv::full_params(pfx().art));
+    const kvevict::evictor<kvevict::lkv::full, kvevict::cpu::backend> ev(kvevict::lkv::full_params(fx().art));
     const kvevict::budget_request budget = kvevict::budget_request::fraction(0.2);
     kv_cache a(m.cfg, int(prompt.size()) + 4);
     std::vector<float> la, lb;
