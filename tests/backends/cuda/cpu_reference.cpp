@@ -73,4 +73,15 @@ template cpu_result cpu_run<kvevict::lkv::budgets_attention, kvevict::half_t>(co
                                                                              const kvevict::lkv::budgets_attention::params&,
                                                                              kvevict::budget_request);
 
+template <class T>
+kvevict::status cpu_compact_paged(const kvevict::paged_cache<T>& cache, kvevict::const_selection_view sel,
+                                  kvevict::paged_compaction_result out) {
+  std::vector<unsigned char> ws(kvevict::cpu::compact_paged_workspace_size(cache) + 1);
+  return kvevict::cpu::compact_paged(cache, sel, out, ws.data(), ws.size());
+}
+template kvevict::status cpu_compact_paged<float>(const kvevict::paged_cache<float>&, kvevict::const_selection_view,
+                                                  kvevict::paged_compaction_result);
+template kvevict::status cpu_compact_paged<kvevict::bfloat16_t>(const kvevict::paged_cache<kvevict::bfloat16_t>&,
+                                                                kvevict::const_selection_view, kvevict::paged_compaction_result);
+
 }  // namespace kvevict_test

@@ -28,6 +28,12 @@ cpu_result cpu_run(const kvevict::layer_inputs<T>& in, const typename P::params&
 template <class P, class T>
 std::int64_t cpu_max_selected(const kvevict::layer_inputs<T>& in, const typename P::params& p, kvevict::budget_request budget);
 
+/// kvevict::cpu::compact_paged on host memory (the CPU compaction the CUDA one is compared with);
+/// instantiated for float and bfloat16_t.
+template <class T>
+kvevict::status cpu_compact_paged(const kvevict::paged_cache<T>& cache, kvevict::const_selection_view sel,
+                                  kvevict::paged_compaction_result out);
+
 /// The policies the test instantiates (besides the presets; user_scorer_policy: float and bf16).
 using maxpool_policy = kvevict::eviction_policy<kvevict::scorers::attention_weight, kvevict::temporal::mean, kvevict::spatial::max_pool>;
 

@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -1696,7 +1697,8 @@ void for_paged_copies(const host_case<T>& c, F&& f) {
     for (const int ps : sizes)
       for (int kind = 0; kind < 3; ++kind) {  // 0 per-sequence table, 1 per-head over all-head pages, 2 per-head one-head pages
         kvtest::paged_copy<T> pc;
-        kvtest::make_paged(hin, ps, lay, kind > 0, kind == 2, ++seed, pc, /*with_last_page_len=*/seed % 2 == 0, 3, /*reversed=*/seed % 5 == 0);
+        ++seed;
+        kvtest::make_paged(hin, ps, lay, kind > 0, kind == 2, seed, pc, /*with_last_page_len=*/seed % 2 == 0, 3, /*reversed=*/seed % 5 == 0);
         const std::string label = std::string(kvtest::to_string(lay)) + " ps " + std::to_string(ps) + (kind == 0 ? " per-seq" : kind == 1 ? " per-head" : " per-head one-head pages");
         f(pc, hin, label);
       }
@@ -2157,11 +2159,35 @@ kv::status device_compact(const kvtest::paged_copy<T>& pc, const host_case<T>& c
   REQUIRE_MESSAGE(st.ok(), st.message());
   const kv::status dev = kv::cuda::read_device_status(kv::cuda::compact_paged_status(ws.p));
   const auto kpool = dp.k.get(pc.kpool.size()), vpool = dp.v.get(pc.vpool.size());
+  // kvevict::cpu::compact_paged on a host copy: the same verdict, pools and result (freed pages sorted)
+  kvtest::paged_copy<T> hc = pc;
+  kv::paged_cache<T> hcache = cache;
+  hcache.keys.data = hc.kpool.data();
+  hcache.values.data = hc.vpool.data();
+  hcache.pages.indptr = hc.indptr.data();
+  hcache.pages.indices = hc.indices.data();
+  hcache.pages.last_page_len = pc.in.pages.last_page_len ? hc.last_page_len.data() : nullptr;
+  hcache.pages.protected_prefix = prefix;
+  if (cache.lengths.data) hcache.lengths = kv::per_head_lengths(hc.lens.data(), c.B, c.Hkv);
+  std::vector<std::int32_t> hpk(static_cast<std::size_t>(R)), hlp(static_cast<std::size_t>(R)), hln(static_cast<std::size_t>(c.B) * c.Hkv),
+      hfr(static_cast<std::size_t>(std::max<std::int64_t>(cap, 1)));
+  std::int64_t hnf = -1;
+  kv::paged_compaction_result hout{hpk.data(), hlp.data(), hln.data(), hfr.data(), cap, &hnf};
+  const kv::status cpu = kvevict_test::cpu_compact_paged(hcache, kv::const_selection_view(ip.data(), ix.data(), static_cast<std::int64_t>(ip.size()) - 1), hout);
+  CHECK_MESSAGE(cpu.code() == dev.code(), "cpu: ", cpu.message(), " / cuda: ", dev.message());
   if (!dev.ok()) {  // untouched: the pools and the result buffers
     bad += std::memcmp(kpool.data(), pc.kpool.data(), kpool.size() * sizeof(T)) != 0;
     bad += std::memcmp(vpool.data(), pc.vpool.data(), vpool.size() * sizeof(T)) != 0;
     bad += pk.get(sentinel.size()) != sentinel || fr.get(sentinel.size()) != sentinel;
     return dev;
+  }
+  if (cpu.ok()) {
+    bad += std::memcmp(kpool.data(), hc.kpool.data(), kpool.size() * sizeof(T)) != 0;
+    bad += std::memcmp(vpool.data(), hc.vpool.data(), vpool.size() * sizeof(T)) != 0;
+    std::vector<std::int32_t> hf(hfr.begin(), hfr.begin() + std::max<std::int64_t>(hnf, 0));
+    std::sort(hf.begin(), hf.end());
+    bad += pk.get(static_cast<std::size_t>(R)) != hpk || lp.get(static_cast<std::size_t>(R)) != hlp || ln.get(hln.size()) != hln;
+    bad += fr.get(hf.size()) != hf || nf.get(1)[0] != hnf;
   }
   bad += verify_compacted(pc, kpool, vpool, hin, ip, ix, per_sequence_set, moved);
   const paged_expect e = expect_result(pc, c, ip, per_sequence_set);
@@ -2174,6 +2200,139 @@ kv::status device_compact(const kvtest::paged_copy<T>& pc, const host_case<T>& c
 }
 
 }  // namespace
+
+namespace {
+
+/// A paged copy built by hand (HND pool of P pages, last_page_len from the lengths): rows[r] is table
+/// row r's page list (per-sequence rows, or per (sequence, KV head) with per_head, pages spanning
+/// every head). Pages may repeat across rows (shared prefix pages, or per-head rows sharing a page
+/// id in different head slots); every row writes its tokens from hin, so shared tokens must be equal.
+template <class T>
+void hand_paged(const kv::layer_inputs<T>& hin, int ps, bool per_head, const std::vector<std::vector<std::int32_t>>& rows, int P,
+                kvtest::paged_copy<T>& out) {
+  const int B = static_cast<int>(hin.batch()), H = static_cast<int>(hin.kv_heads()), d = static_cast<int>(hin.head_dim());
+  out.indptr.assign(1, 0);
+  out.indices.clear();
+  std::int64_t maxp = 0;
+  for (const auto& r : rows) {
+    out.indices.insert(out.indices.end(), r.begin(), r.end());
+    out.indptr.push_back(static_cast<std::int32_t>(out.indices.size()));
+    maxp = std::max<std::int64_t>(maxp, static_cast<std::int64_t>(r.size()));
+  }
+  out.num_pages = P;
+  out.page_size = ps;
+  const T nan = kv::from_float<T>(std::numeric_limits<float>::quiet_NaN());
+  out.kpool.assign(static_cast<std::size_t>(P) * H * ps * d, nan);
+  out.vpool = out.kpool;
+  const auto kvw = kvtest::paged_copy<T>::pool_view(out.kpool, P, H, ps, d, kvtest::pool_layout::hnd, false);
+  out.last_page_len.clear();
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const int r = per_head ? b * H + h : b;
+      for (int t = 0; t < hin.length(b, h); ++t)
+        for (int c = 0; c < d; ++c) {
+          const std::int64_t o = rows[static_cast<std::size_t>(r)][static_cast<std::size_t>(t / ps)] * kvw.stride[0] + h * kvw.stride[1] +
+                                 (t % ps) * kvw.stride[2] + c;
+          out.kpool[static_cast<std::size_t>(o)] = hin.keys(b, h, t, c);
+          out.vpool[static_cast<std::size_t>(o)] = hin.values(b, h, t, c);
+        }
+    }
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    const int b = per_head ? static_cast<int>(r) / H : static_cast<int>(r), h = per_head ? static_cast<int>(r) % H : 0;
+    const int L = static_cast<int>(hin.length(b, h));
+    out.last_page_len.push_back(L == 0 ? 0 : L - (L - 1) / ps * ps);
+  }
+  out.in = hin;
+  out.in.keys = kvw;
+  out.in.values = kvtest::paged_copy<T>::pool_view(out.vpool, P, H, ps, d, kvtest::pool_layout::hnd, false);
+  out.in.pages = kv::page_table_view{};
+  out.in.pages.indptr = out.indptr.data();
+  out.in.pages.indices = out.indices.data();
+  out.in.pages.last_page_len = out.last_page_len.data();
+  out.in.pages.batch = B;
+  out.in.pages.max_pages_per_row = maxp;
+  out.in.pages.per_head = per_head;
+  out.in.lengths = {};
+}
+
+}  // namespace
+
+TEST_CASE("cuda: compact_paged with shared prefix pages and page ids shared by the heads of a sequence equals the CPU") {
+  long moved = 0, bad = 0;
+  {  // two sequences share their first 2 pages (a protected prefix of 8 tokens); mode a
+    auto c = make_case<float>(630, 2, 2, 1, 16, 4, 8, kv::kv_layout::hnd, false);
+    c.lens = {16, 13};
+    for (int h = 0; h < 2; ++h)  // sequence 1's prefix tokens are sequence 0's
+      for (int t = 0; t < 8; ++t)
+        for (int x = 0; x < 8; ++x) {
+          const std::size_t o0 = ((static_cast<std::size_t>(0) * 2 + h) * 16 + t) * 8 + x, o1 = ((static_cast<std::size_t>(1) * 2 + h) * 16 + t) * 8 + x;
+          c.k[o1] = c.k[o0];
+          c.v[o1] = c.v[o0];
+        }
+    const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+    kvtest::paged_copy<float> pc;
+    hand_paged(hin, 4, false, {{3, 0, 5, 7}, {3, 0, 2, 6}}, 9, pc);
+    const std::int32_t prefix[2] = {8, 8};
+    const std::vector<std::int32_t> ip = {0, 10, 20, 30, 40};
+    std::vector<std::int32_t> ix;
+    for (int r = 0; r < 4; ++r) ix.insert(ix.end(), {0, 1, 2, 3, 4, 5, 6, 7, 9, 12});  // keeps the prefix; row 0 frees 1 page
+    CHECK(device_compact(pc, c, hin, ip, ix, false, moved, bad, -1, prefix).ok());
+    const paged_expect e = expect_result(pc, c, ip, false);
+    CHECK(e.freed == std::vector<std::int32_t>{6, 7});  // never the shared pages 3 and 0
+  }
+  {  // per-head tables over pages of every head: heads 0 and 1 of sequence 0 share page ids 4 and 1
+    auto c = make_case<float>(631, 1, 2, 1, 12, 4, 8, kv::kv_layout::hnd, false);
+    c.lens = {12};
+    const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+    kvtest::paged_copy<float> pc;
+    hand_paged(hin, 4, true, {{4, 1, 2}, {4, 1, 3}}, 6, pc);
+    const std::vector<std::int32_t> ip = {0, 3, 9}, ix = {0, 5, 11, 0, 1, 2, 6, 8, 10};  // head 0 keeps 1 page, head 1 two
+    CHECK(device_compact(pc, c, hin, ip, ix, false, moved, bad).ok());
+    const paged_expect e = expect_result(pc, c, ip, false);
+    CHECK(e.freed == std::vector<std::int32_t>{2, 3});  // page 1 stays: head 1 still keeps tokens in it
+  }
+  CHECK(bad == 0);
+  CHECK(moved > 0);
+}
+
+TEST_CASE("cuda: a malformed page-table or selection indptr is reported, never followed") {
+  using P = kv::presets::snapkv;
+  auto c = make_case<float>(640, 2, 2, 1, 64, 8, 8, kv::kv_layout::hnd, false);
+  c.lens = {64, 40};
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  kvtest::paged_copy<float> pc;
+  kvtest::make_paged(hin, 16, kvtest::pool_layout::nhd, false, false, 3, pc, true);
+  auto run = [&](const kvtest::paged_copy<float>& bad) {
+    device_paged<float> dp(bad, c);
+    return gpu_run_inputs<P>(dp.in, nullptr, P::defaults(), kv::budget_request::tokens(20));
+  };
+  {
+    auto b = pc;  // a slice of a larger table: indptr starts at 100 (indices holds 7 entries)
+    for (auto& x : b.indptr) x += 100;
+    const auto r = run(b);
+    REQUIRE(r.st.ok());
+    CHECK(r.dev.code() == kv::errc::invalid_argument);
+    CHECK(std::string(r.dev.message()).find("pages.indptr[0] = 100 must be 0") != std::string::npos);
+  }
+  {
+    auto b = pc;  // a decreasing row: row 1 would read 4 entries before row 0's start
+    b.indptr = {0, 4, 0};
+    const auto r = run(b);
+    REQUIRE(r.st.ok());
+    CHECK(r.dev.code() == kv::errc::invalid_argument);
+    CHECK(std::string(r.dev.message()).find("holds -4 pages") != std::string::npos);
+  }
+  {
+    long m = 0, bad = 0;
+    std::vector<std::int32_t> ip = {100, 104, 108, 112, 116}, ix(16, 0);
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < 4; ++i) ix[static_cast<std::size_t>(r * 4 + i)] = i;
+    const auto dev = device_compact(pc, c, hin, ip, ix, false, m, bad);
+    CHECK(dev.code() == kv::errc::invalid_argument);
+    CHECK(std::string(dev.message()).find("selection indptr[0] = 100 must be 0") != std::string::npos);
+    CHECK(bad == 0);
+  }
+}
 
 TEST_CASE("cuda: compact_paged equals a naive gather in modes a, b and c; freed pages; errors leave the cache untouched") {
   long moved = 0, bad = 0, runs = 0;

@@ -72,6 +72,7 @@ enum class device_check : std::int32_t {
   compact_prefix = 16,     ///< compact_paged: selection row a0 drops a token of sequence a1's protected prefix [0, a2)
   compact_unequal = 17,    ///< compact_paged: sequence a0 keeps a1 tokens in KV head 0 and a2 in KV head a3 (shared table)
   compact_freed = 18,      ///< compact_paged: a0 pages become free > freed_capacity = a1
+  compact_indptr = 19,     ///< compact_paged: selection indptr[a0] = a1 (indptr[0] must be 0, then non-decreasing: indptr[a0 - 1] = a2)
 };
 
 /// Build a host-side status from a device status word copied to the host.
@@ -137,6 +138,9 @@ inline status to_status(const device_status& s) {
                            "compact_paged: sequence %d keeps %d tokens in KV head 0 and %d in KV head %d under a shared page table "
                            "(one length per sequence): use uniform budgets, union_selections or pages.per_head (checked on the device)",
                            s.a0, s.a1, s.a2, s.a3);
+    case device_check::compact_indptr:
+      if (s.a0 == 0) return status::error(e, "compact_paged: selection indptr[0] = %d must be 0 (checked on the device)", s.a1);
+      return status::error(e, "compact_paged: selection indptr[%d] = %d < indptr[%d] = %d (checked on the device)", s.a0, s.a1, s.a0 - 1, s.a2);
     case device_check::compact_freed:
       return status::error(e, "compact_paged: %d pages become free > result freed_capacity = %d (checked on the device)", s.a0, s.a1);
     default: break;

@@ -1,7 +1,9 @@
 // IWYU pragma: private, include "kvevict/cuda.cuh"
 // CUDA compaction of a paged KV cache in place (docs/integration.md, docs/cuda.md "Paged
-// caches"): the device counterpart of kvevict::cpu::compact_paged, same modes (a, b, c), same
-// checks, same result, with the table, the selection and the result in device memory.
+// caches"): the device counterpart of kvevict::cpu::compact_paged, same modes (a, b, c), the same
+// checks (reported through a device status word; when several fail, whichever the device reaches
+// first), the same result but the freed page ids in ascending order, with the table, the selection
+// and the result in device memory.
 //
 // Everything is enqueued on one stream without host synchronisation: the checks run first (the
 // page table's three passes, the selection, the freed pages against freed_capacity) and report
@@ -96,20 +98,26 @@ struct compact_paged_args {
   }
 };
 
+/// The selection's indptr, thread per entry: indptr[0] = 0, then non-decreasing (before any index
+/// is read, so that a bad indptr is reported, never followed).
+template <int Unused = 0>
+__global__ void compact_paged_indptr_kernel(const std::int32_t* indptr, std::int64_t rows, device_status* st) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i <= rows;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    if (i == 0 && indptr[0] != 0) report(st, errc::invalid_argument, device_check::compact_indptr, 0, indptr[0], 0, 0);
+    if (i > 0 && indptr[i] < indptr[i - 1]) report(st, errc::invalid_argument, device_check::compact_indptr, i, indptr[i], indptr[i - 1], 0);
+  }
+}
+
 /// The selection against the validated lengths, block per (b, h): indptr, every index in [0, L)
 /// and strictly ascending, the protected prefix kept, equal counts under a per-sequence table.
 template <int Unused = 0>
 __global__ void compact_paged_check_kernel(compact_paged_args ca, device_status* st) {
   const std::int64_t H = ca.a.H, n = ca.B * H;
-  if (st->code != 0) return;  // a table error: the lengths are zeroed, the selection is not meaningful
+  if (st->code != 0) return;  // a table or indptr error: nothing more is read
   for (std::int64_t bh = blockIdx.x; bh < n; bh += gridDim.x) {
     const std::int64_t b = bh / H, h = bh % H, r = ca.sel_row(b, h), L = ca.len[bh];
     const std::int32_t beg = ca.sel.indptr[r], end = ca.sel.indptr[r + 1];
-    if (threadIdx.x == 0) {
-      if (r == 0 && beg != 0) report(st, errc::invalid_argument, device_check::compact_index, r, beg, 0, 0);
-      if (end < beg) report(st, errc::invalid_argument, device_check::compact_index, r, end, L, 0);
-    }
-    if (end < beg) continue;
     for (std::int64_t i = beg + static_cast<std::int64_t>(threadIdx.x); i < end; i += blockDim.x) {
       const std::int32_t s = ca.sel.indices[i];
       if (s < 0 || s >= L || (i > beg && s <= ca.sel.indices[i - 1])) report(st, errc::invalid_argument, device_check::compact_index, r, s, L, 0);
@@ -264,8 +272,8 @@ template <class T>
                          "move the same rows; use pages.per_head tables for one-head pages");
   if (!out.pages_kept || !out.last_page_len || !out.freed_pages || !out.num_freed)
     return status::error(errc::null_pointer, "compact_paged: result pages_kept, last_page_len, freed_pages or num_freed is null");
-  if (out.freed_capacity < 0)
-    return status::error(errc::invalid_argument, "compact_paged: result freed_capacity = %lld must be >= 0",
+  if (out.freed_capacity < 0 || out.freed_capacity > 0x7fffffff)
+    return status::error(errc::invalid_argument, "compact_paged: result freed_capacity = %lld must be in [0, 2^31)",
                          static_cast<long long>(out.freed_capacity));
   const std::size_t need = compact_paged_workspace_size(cache);
   if (!workspace || workspace_bytes < need)
@@ -284,6 +292,8 @@ template <class T>
   auto grid_rows = [](std::int64_t x) { return static_cast<unsigned>(x < 65535LL * 16 ? (x > 0 ? x : 1) : 65535LL * 16); };
   KVEVICT_CUDA_TRY(cudaMemsetAsync(bf.status, 0, sizeof(device_status), stream));
   KVEVICT_TRY(enqueue_page_table_check(ca.a, B, bf.cnt, bf.len, bf.status, stream));
+  compact_paged_indptr_kernel<<<grid_for(sel.rows + 1), block_threads, 0, stream>>>(sel.indptr, sel.rows, bf.status);
+  KVEVICT_CUDA_CHECK_LAUNCH();
   compact_paged_check_kernel<<<grid_rows(n), block_threads, 0, stream>>>(ca, bf.status);
   KVEVICT_CUDA_CHECK_LAUNCH();
   KVEVICT_CUDA_TRY(cudaMemsetAsync(bf.state, 0, static_cast<std::size_t>(P) * sizeof(unsigned int), stream));

@@ -47,8 +47,8 @@ namespace kvevict {
 ///  - LKV (scorers::learned_mlp, budgeters::headwise_learned) needs its tables in device memory
 ///    (params.on_device = true, e.g. from cuda::lkv_device_tables, kvevict/backends/cuda/learned.cuh).
 ///  - A paged cache (layer_inputs::pages) has its page table in device memory too: run() checks
-///    it on the device before any kernel reads through it (device_check::page_*; every length is
-///    then 0, nothing is read), and plan() knows its lengths only from plan_options::host_lengths.
+///    it on the device before any other kernel reads through it (device_check::page_*; a bad
+///    indptr is reported before any page id is read; every length is then 0, nothing is read), and plan() knows its lengths only from plan_options::host_lengths.
 ///    The scorer's implementation must read K/V through cuda::head_rows (reads_pages).
 /// Supported: head_dim <= 256, batch * q_heads <= 65535, the stages with a CUDA implementation
 /// trait (the built-ins but CriticalKV; a user's stage specialises its trait, impl.cuh).

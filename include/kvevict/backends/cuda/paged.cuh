@@ -6,8 +6,12 @@
 //
 // The page table lives in DEVICE memory (indptr, indices, last_page_len, protected_prefix), as
 // FlashInfer's and vLLM's. Its checks are the CPU's (kvevict::detail::check_page_table), run by
-// three kernels before anything reads through the table; a violation lands in the device status
-// word (device_check::page_*) and zeroes every length, so that no later kernel reads a page.
+// four kernels before any other kernel reads through the table: the per-row checks read no page id,
+// and the passes that do (ids, repeats) run only when every row's indptr has passed, so that a bad
+// indptr is reported, never followed. A violation lands in the device status word
+// (device_check::page_*) and zeroes every length, so that no later kernel reads a page. When
+// several checks fail, the one reported is whichever the device reaches first (the CPU reports the
+// first in row order).
 #pragma once
 
 #include <cstdint>
@@ -151,21 +155,27 @@ KVEVICT_HOST_DEVICE inline bool check_page_row(const paged_table_args& a, std::i
   return true;
 }
 
-/// Pass 1 of the table check, block per table row (grid-stride over rows): the row's checks, then
-/// every page that holds tokens: its id in [0, P), and one count in its slot's counter (the low 32
-/// bits count uses as a shared-prefix page, the high 32 bits other uses). cnt: [a.slots()], zeroed.
+/// Pass 1 of the table check, thread per table row: check_page_row (indptr, last_page_len, lengths,
+/// prefix); nothing is read from indices. After it passes for every row, indptr starts at 0 and never
+/// decreases, so the later passes read indices only below indptr[rows].
 template <int Unused = 0>
-__global__ void paged_check_rows_kernel(paged_table_args a, unsigned long long* cnt, device_status* st) {
-  __shared__ int ok;
+__global__ void paged_check_rows_kernel(paged_table_args a, device_status* st) {
+  const std::int64_t R = a.rows();
+  for (std::int64_t r = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; r < R;
+       r += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    (void)check_page_row(a, r, [&](device_check c, std::int64_t a0, std::int64_t a1, std::int64_t a2, std::int64_t a3) {
+      report(st, errc::invalid_argument, c, a0, a1, a2, a3);
+    });
+}
+
+/// Pass 2, block per table row (grid-stride), only when pass 1 found nothing: every page that holds
+/// tokens has its id in [0, P) and adds one count to its slot's counter (the low 32 bits count uses
+/// as a shared-prefix page, the high 32 bits other uses). cnt: [a.slots()], zeroed.
+template <int Unused = 0>
+__global__ void paged_count_pages_kernel(paged_table_args a, unsigned long long* cnt, device_status* st) {
+  if (st->code != 0) return;  // uniform: set by pass 1 only
   const std::int64_t R = a.rows();
   for (std::int64_t r = blockIdx.x; r < R; r += gridDim.x) {
-    __syncthreads();
-    if (threadIdx.x == 0)
-      ok = check_page_row(a, r, [&](device_check c, std::int64_t a0, std::int64_t a1, std::int64_t a2, std::int64_t a3) {
-        report(st, errc::invalid_argument, c, a0, a1, a2, a3);
-      }) ? 1 : 0;
-    __syncthreads();
-    if (!ok) continue;
     const std::int64_t used = a.used(r), beg = a.t.indptr[r];
     const std::int64_t h = a.t.per_head ? r % a.H : 0, shared = a.t.prefix(a.t.per_head ? r / a.H : r) / a.ps;
     for (std::int64_t i = threadIdx.x; i < used; i += blockDim.x) {
@@ -179,14 +189,13 @@ __global__ void paged_check_rows_kernel(paged_table_args a, unsigned long long* 
   }
 }
 
-/// Pass 2: a page used twice (not as a shared-prefix page of every row that uses it) is reported
-/// with its position in indices, its row and its index in the row.
+/// Pass 3, only when passes 1 and 2 found nothing: a page used twice (not as a shared-prefix page of
+/// every row that uses it) is reported with its position in indices, its row and its index in the row.
 template <int Unused = 0>
 __global__ void paged_check_repeats_kernel(paged_table_args a, const unsigned long long* cnt, device_status* st) {
+  if (st->code != 0) return;
   const std::int64_t R = a.rows();
   for (std::int64_t r = blockIdx.x; r < R; r += gridDim.x) {
-    const std::int64_t n = a.t.pages(r);
-    if (n < 0 || n > a.t.max_pages_per_row) continue;  // reported by pass 1
     const std::int64_t used = a.used(r), beg = a.t.indptr[r];
     const std::int64_t h = a.t.per_head ? r % a.H : 0;
     for (std::int64_t i = threadIdx.x; i < used; i += blockDim.x) {
@@ -199,7 +208,7 @@ __global__ void paged_check_repeats_kernel(paged_table_args a, const unsigned lo
   }
 }
 
-/// Pass 3, thread per (b, h): len[b * H + h] = the validated length, or 0 for every head once any
+/// Pass 4, thread per (b, h): len[b * H + h] = the validated length, or 0 for every head once any
 /// check has failed (the status word is set), so that no later kernel reads through a bad table.
 template <int Unused = 0>
 __global__ void paged_lengths_kernel(paged_table_args a, std::int64_t B, const device_status* st, std::int32_t* len) {
@@ -210,14 +219,16 @@ __global__ void paged_lengths_kernel(paged_table_args a, std::int64_t B, const d
     len[i] = bad ? 0 : static_cast<std::int32_t>(a.length(i / a.H, i % a.H));
 }
 
-/// The three table-check passes on `stream`: cnt ([a.slots()] counters, device) and len
+/// The four table-check passes on `stream`: cnt ([a.slots()] counters, device) and len
 /// ([B * H] int32, device) are scratch and output. Lengths come out as a per-head lengths view.
 inline status enqueue_page_table_check(const paged_table_args& a, std::int64_t B, unsigned long long* cnt, std::int32_t* len,
                                        device_status* st, cudaStream_t stream) {
   const std::int64_t R = a.rows();
   const unsigned grid = static_cast<unsigned>(R < 65535LL * 16 ? (R > 0 ? R : 1) : 65535LL * 16);
   KVEVICT_CUDA_TRY(cudaMemsetAsync(cnt, 0, static_cast<std::size_t>(a.slots() > 0 ? a.slots() : 1) * sizeof(unsigned long long), stream));
-  paged_check_rows_kernel<<<grid, block_threads, 0, stream>>>(a, cnt, st);
+  paged_check_rows_kernel<<<grid_for(R), block_threads, 0, stream>>>(a, st);
+  KVEVICT_CUDA_CHECK_LAUNCH();
+  paged_count_pages_kernel<<<grid, block_threads, 0, stream>>>(a, cnt, st);
   KVEVICT_CUDA_CHECK_LAUNCH();
   paged_check_repeats_kernel<<<grid, block_threads, 0, stream>>>(a, cnt, st);
   KVEVICT_CUDA_CHECK_LAUNCH();
