@@ -82,7 +82,7 @@ int usage(const char* argv0, const std::string& why) {
                  "  --methods LIST     only these rows (names as printed)\n"
                  "  --ablations        add ReST-KV ablation rows (diagnostics; one change each from the defaults)\n"
                  "  --chunk N          chunked-prefill eviction every N prompt tokens (budget floor(f * prompt) tokens per\n"
-                 "                     head) instead of one-shot; rows that need the look-ahead (Oracle) are left out\n"
+                 "                     head) instead of one-shot; rows that need the look-ahead (Oracle-next) are left out\n"
                  "  --dump FILE        also write the prompts, the continuation, every kept position per (row, fraction,\n"
                  "                     prompt, layer, KV head) and every KL in full precision (the Python press test reads it)\n"
                  "  --paged            paged KV cache (one-head pages, a page table per KV head; evictions free pages):\n"
@@ -243,6 +243,21 @@ double mean(const std::vector<double>& v) {
     double s = 0;
     for (double x : v) s += x;
     return v.empty() ? 0.0 : s / double(v.size());
+}
+/// Standard error of the mean of v (sample standard deviation / sqrt(n)); 0 for fewer than 2 values.
+double std_error(const std::vector<double>& v) {
+    if (v.size() < 2) return 0.0;
+    const double mu = mean(v);
+    double ss = 0;
+    for (double x : v) ss += (x - mu) * (x - mu);
+    return std::sqrt(ss / double(v.size() - 1) / double(v.size()));
+}
+/// Two-sided 95% critical value of Student's t with df degrees of freedom (df >= 1).
+double t_critical_95(int df) {
+    static const double t[30] = {12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+                                 2.201,  2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+                                 2.080,  2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042};
+    return df < 1 ? 0.0 : df <= 30 ? t[df - 1] : 1.96 + 2.5 / double(df);
 }
 
 /// The evicted cache of one (excerpt, method, fraction): one-shot eviction of the prefilled cache
@@ -533,10 +548,10 @@ int main(int argc, char** argv) {
     csv << "method,keep_fraction,prompts,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean";
     for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_l" << l;
     for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_wo_l" << l;
-    csv << ",kv_bytes,kv_bytes_full\n";
+    csv << ",kv_bytes,kv_bytes_full,kl_se,top1_se,match_se,oerr_wo_se\n";
     pp << "method,keep_fraction,prompt,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean,kv_bytes\n";
-    std::printf("\n%-13s %5s %9s %6s %6s %8s %8s %8s %9s %6s\n", "method", "keep", "KL", "top1", "match", "oerr", "oerr_WO", "oerr_pr", "KV KiB", "kept");
-    std::printf("%-13s %5s %9s %6s %6s %8s %8s %8s %9s %6s\n", "", "", "(nats)", "", "(tok)", "(iso)", "(iso)", "(prop)", "", "");
+    std::printf("\n%-13s %5s %9s %8s %6s %6s %8s %8s %8s %9s %6s\n", "method", "keep", "KL", "+-se", "top1", "match", "oerr", "oerr_WO", "oerr_pr", "KV KiB", "kept");
+    std::printf("%-13s %5s %9s %8s %6s %6s %8s %8s %8s %9s %6s\n", "", "", "(nats)", "", "", "(tok)", "(iso)", "(iso)", "(prop)", "", "");
     std::map<std::string, std::vector<std::vector<double>>> layer_err;  // name -> fraction -> per layer
     int rows = 0;
     for (size_t i = 0; i < methods.size(); ++i) {
@@ -544,6 +559,14 @@ int main(int argc, char** argv) {
             const auto& v = res[i][f];
             if (v.size() != prompts.size()) { ok = false; continue; }
             metrics a;
+            std::vector<double> kl_p, top1_p, match_p, oerr_wo_p;  // per prompt, for the standard errors
+            for (const metrics& x : v) {
+                kl_p.push_back(x.kl);
+                top1_p.push_back(x.top1);
+                match_p.push_back(x.match);
+                oerr_wo_p.push_back(mean(x.oerr_wo));
+            }
+            const double kl_se = std_error(kl_p), top1_se = std_error(top1_p), match_se = std_error(match_p), oerr_wo_se = std_error(oerr_wo_p);
             a.oerr.assign(size_t(c.n_layers), 0.0);
             a.oerr_wo.assign(size_t(c.n_layers), 0.0);
             const double n = double(v.size());
@@ -557,6 +580,7 @@ int main(int argc, char** argv) {
             std::vector<double> all{a.kl, a.top1, a.match, a.kv_bytes, a.oerr_prop};
             all.insert(all.end(), a.oerr.begin(), a.oerr.end());
             all.insert(all.end(), a.oerr_wo.begin(), a.oerr_wo.end());
+            all.insert(all.end(), {kl_se, top1_se, match_se, oerr_wo_se});
             for (double x : all)
                 if (!is_finite(x)) ok = false;
             layer_err[methods[i].name].push_back(a.oerr);
@@ -564,9 +588,9 @@ int main(int argc, char** argv) {
                 << mean(a.oerr) << ',' << mean(a.oerr_wo) << ',' << a.oerr_prop;
             for (double x : a.oerr) csv << ',' << x;
             for (double x : a.oerr_wo) csv << ',' << x;
-            csv << ',' << a.kv_bytes << ',' << full_bytes << '\n';
-            std::printf("%-13s %4.0f%% %9.5f %6.3f %6.1f %8.4f %8.4f %8.4f %9.1f %5.1f%%\n", methods[i].name.c_str(), 100 * opt.fractions[f], a.kl,
-                        a.top1, a.match, mean(a.oerr), mean(a.oerr_wo), a.oerr_prop, a.kv_bytes / 1024.0, 100.0 * a.kv_bytes / full_bytes);
+            csv << ',' << a.kv_bytes << ',' << full_bytes << ',' << kl_se << ',' << top1_se << ',' << match_se << ',' << oerr_wo_se << '\n';
+            std::printf("%-13s %4.0f%% %9.5f %8.5f %6.3f %6.1f %8.4f %8.4f %8.4f %9.1f %5.1f%%\n", methods[i].name.c_str(), 100 * opt.fractions[f], a.kl,
+                        kl_se, a.top1, a.match, mean(a.oerr), mean(a.oerr_wo), a.oerr_prop, a.kv_bytes / 1024.0, 100.0 * a.kv_bytes / full_bytes);
             ++rows;
         }
     }
@@ -582,10 +606,10 @@ int main(int argc, char** argv) {
             if (methods[i].name == name) return int(i);
         return -1;
     };
-    const int ir = row_of("ReST-KV"), is = row_of("SnapKV"), io = row_of("Oracle");
+    const int ir = row_of("ReST-KV"), is = row_of("SnapKV"), io = row_of("Oracle-W");
     if (ir >= 0 && is >= 0) {
         std::printf("\nper-layer oerr (isolated), ReST-KV / SnapKV%s; wins = (prompt, layer) pairs where ReST-KV's error is lower:\n",
-                    io >= 0 ? " / Oracle" : "");
+                    io >= 0 ? " / Oracle-W" : "");
         for (size_t f = 0; f < opt.fractions.size(); ++f) {
             const auto& R = res[size_t(ir)][f];
             const auto& S = res[size_t(is)][f];
@@ -605,6 +629,61 @@ int main(int argc, char** argv) {
                 if (io >= 0) std::printf("/%.4f", o);
             }
             std::printf("  wins %d of %d\n", wins, pairs);
+        }
+    }
+    // Paired comparisons of KL over the same excerpts: every row against the best row of its keep
+    // fraction (lowest mean KL, oracles and the random floor left out), and the pairs the text of
+    // docs/fidelity.md states. d = mean over excerpts of KL(row) - KL(other), se its standard error,
+    // t = d / se; "beyond noise" when |t| > the two-sided 95% Student t of n - 1 degrees of freedom.
+    if (prompts.size() >= 2) {
+        const double tc = t_critical_95(int(prompts.size()) - 1);
+        auto paired = [&](int a, int b, size_t f, double& d, double& se) {
+            std::vector<double> diff;
+            for (size_t p = 0; p < prompts.size(); ++p) diff.push_back(res[size_t(a)][f][p].kl - res[size_t(b)][f][p].kl);
+            d = mean(diff);
+            se = std_error(diff);
+        };
+        auto complete = [&](int i, size_t f) { return i >= 0 && res[size_t(i)][f].size() == prompts.size(); };
+        auto is_reference = [&](const std::string& n) { return n.rfind("Oracle", 0) == 0 || n == "Random"; };
+        std::printf("\npaired KL differences over the %zu excerpts (d = row - other, +-se; * = beyond noise: |d / se| > %.3f, the "
+                    "two-sided 95%% t with %zu df):\n",
+                    prompts.size(), tc, prompts.size() - 1);
+        for (size_t f = 0; f < opt.fractions.size(); ++f) {
+            int best = -1;
+            double best_kl = 0;
+            for (size_t i = 0; i < methods.size(); ++i) {
+                if (is_reference(methods[i].name) || !complete(int(i), f)) continue;
+                double k = 0;
+                for (const metrics& x : res[i][f]) k += x.kl / double(prompts.size());
+                if (best < 0 || k < best_kl) { best = int(i); best_kl = k; }
+            }
+            if (best < 0) continue;
+            std::printf("keep %3.0f%%, against the best row %s:", 100 * opt.fractions[f], methods[size_t(best)].name.c_str());
+            int tied = 0;
+            for (size_t i = 0; i < methods.size(); ++i) {
+                if (int(i) == best || is_reference(methods[i].name) || !complete(int(i), f)) continue;
+                double d, se;
+                paired(int(i), best, f, d, se);
+                const bool beyond = se > 0 ? std::fabs(d) / se > tc : d != 0;
+                if (!beyond) ++tied;
+                std::printf(" %s %+.5f+-%.5f%s", methods[i].name.c_str(), d, se, beyond ? "*" : "");
+            }
+            std::printf("  (%d rows within noise of the best)\n", tied);
+        }
+        const std::pair<const char*, const char*> claims[] = {{"ReST-KV", "SnapKV"}, {"AdaKV", "SnapKV"}, {"LKV", "ReST-KV"},
+                                                              {"LKV", "AdaKV"},      {"Oracle-W", "ReST-KV"}, {"Oracle-W", "LKV"}};
+        for (const auto& cl : claims) {
+            const int a = row_of(cl.first), b = row_of(cl.second);
+            if (a < 0 || b < 0) continue;
+            std::printf("%s - %s:", cl.first, cl.second);
+            for (size_t f = 0; f < opt.fractions.size(); ++f) {
+                if (!complete(a, f) || !complete(b, f)) continue;
+                double d, se;
+                paired(a, b, f, d, se);
+                const bool beyond = se > 0 ? std::fabs(d) / se > tc : d != 0;
+                std::printf("  %.0f%% %+.5f+-%.5f%s", 100 * opt.fractions[f], d, se, beyond ? "*" : "");
+            }
+            std::printf("\n");
         }
     }
     const int expected = int(methods.size() * opt.fractions.size());

@@ -54,7 +54,8 @@ inline std::vector<registered_method> builtin_methods() {
     v.push_back({60, policy_method<presets::streaming_llm>("StreamingLLM", presets::streaming_llm::defaults(), 0)});
     v.push_back({65, policy_method<presets::key_norm>("KeyNorm", presets::key_norm::defaults(), 0)});  // query-free: no window
     v.push_back({70, random_method("Random")});
-    v.push_back({90, oracle_method("Oracle")});
+    v.push_back({90, window_oracle_method("Oracle-W")});  // the window's error after W_O, window kept
+    v.push_back({91, oracle_method("Oracle-next")});     // the next query's error before W_O (look-ahead)
     return v;
 }
 

@@ -1,6 +1,10 @@
-// kvevict_fidelity: the ORACLE row - per layer, greedy token removal that directly minimises that
-// layer's attention-output error for the first decoding query (it sees the future query: an upper
-// reference for what a selection of the same size can do, not a method).
+// kvevict_fidelity: the two oracle rows - per layer, greedy token removal that directly minimises an
+// attention-output error (references for what a selection of the same size can do, not methods).
+//
+// "Oracle-W" (window_oracle_method): the error ReST-KV approximates - summed over the observation
+// window's queries and the GQA group's query heads, after W_O - with the window kept, as the presets.
+// "Oracle-next" (oracle_method): the first decoding query's error before W_O, nothing kept by rule (it
+// sees the future query). Its details:
 //
 // Objective, per KV head h with query heads g of its GQA group (the metric of the report, whose squared
 // error is a sum over query heads, so heads are independent):
@@ -19,6 +23,7 @@
 
 #include "evict.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -91,9 +96,152 @@ inline void oracle_keep_head(const float* K, const float* V, int L, int d, const
         if (alive[size_t(n)]) keep.push_back(n);
 }
 
-/// Registry row for the oracle. Needs layer_state::next_query / next_key / next_value (the report
+/// Greedy window oracle keep list of one KV head (the "Oracle-W" row).
+/// Objective (fp64): E(keep) = sum_{g < G} sum_{j < w} || R_g (o_gj - o_gj(keep)) ||^2, where query j of
+/// the window (slot L - w + j, RoPE applied, unscaled) sees slots [0, L - w + j], o_gj is its full-cache
+/// attention output and R_g the W_O factor of query head g (||R_g x|| = ||W_O^g x||, y = R_g x, (d, d)
+/// row-major). The window's w slots are always kept; candidates are the slots before it. Greedy backward
+/// elimination: while more than `budget` slots are kept, remove the candidate whose removal gives the
+/// smallest E (ties: lower slot). Each step is exact: with S_gj = sum e_gjn and N_gj = sum e_gjn v_n over
+/// the kept slots, removing n gives R_g o_gj' = (R_g N_gj - e_gjn R_g v_n) / (S_gj - e_gjn), O(G w d) per
+/// candidate (R_g N_gj and R_g v_n are kept), O(L^2 G w d) per head in all.
+/// @param K, V   (L, d) row-major keys (post-RoPE) and values of the cached tokens
+/// @param Q      query of (query head g, window row j) at Q + g * q_head_stride + j * q_row_stride (d floats)
+/// @param R      (G, d, d) the group's W_O factors
+/// @param w      window rows, 0 <= w <= L (the last w slots are theirs)
+/// @param budget kept slots (>= w; budget >= L keeps everything)
+/// @param keep   out: kept slots, ascending
+inline void window_oracle_keep_head(const float* K, const float* V, int L, int d, const float* Q, std::int64_t q_head_stride,
+                                    std::int64_t q_row_stride, const float* R, int G, int w, int budget, std::vector<std::int32_t>& keep) {
+    keep.clear();
+    const int C = L - w;  // candidates: slots [0, C)
+    if (budget >= L || C <= 0) {
+        for (int n = 0; n < L; ++n) keep.push_back(n);
+        return;
+    }
+    const double scale = 1.0 / std::sqrt(double(d));
+    const size_t D = size_t(d), GW = size_t(G) * size_t(w);
+    std::vector<double> e(GW * size_t(C)), S(GW), RN(GW * D), Ro(GW * D), Rv(size_t(G) * size_t(C) * D), N(D), lg(static_cast<size_t>(L));
+    auto Rmul = [&](int g, const double* x, double* y) {  // y = R_g x
+        const float* Rg = R + size_t(g) * D * D;
+        for (int i = 0; i < d; ++i) {
+            double acc = 0;
+            for (int c = 0; c < d; ++c) acc += double(Rg[size_t(i) * D + size_t(c)]) * x[c];
+            y[i] = acc;
+        }
+    };
+    std::vector<double> x(D);
+    for (int g = 0; g < G; ++g) {
+        for (int n = 0; n < C; ++n) {
+            for (int c = 0; c < d; ++c) x[size_t(c)] = V[size_t(n) * D + size_t(c)];
+            Rmul(g, x.data(), &Rv[(size_t(g) * size_t(C) + size_t(n)) * D]);
+        }
+        for (int j = 0; j < w; ++j) {
+            const float* q = Q + std::int64_t(g) * q_head_stride + std::int64_t(j) * q_row_stride;
+            const int vis = C + j + 1;  // slots [0, L - w + j]
+            double mx = -std::numeric_limits<double>::infinity();
+            for (int n = 0; n < vis; ++n) {
+                double sdot = 0;
+                for (int c = 0; c < d; ++c) sdot += double(q[c]) * K[size_t(n) * D + size_t(c)];
+                lg[size_t(n)] = sdot * scale;
+                mx = std::max(mx, lg[size_t(n)]);
+            }
+            double sum = 0;
+            std::fill(N.begin(), N.end(), 0.0);
+            const size_t gj = size_t(g) * size_t(w) + size_t(j);
+            for (int n = 0; n < vis; ++n) {
+                const double en = std::exp(lg[size_t(n)] - mx);
+                if (n < C) e[gj * size_t(C) + size_t(n)] = en;
+                sum += en;
+                for (int c = 0; c < d; ++c) N[size_t(c)] += en * V[size_t(n) * D + size_t(c)];
+            }
+            S[gj] = sum;
+            Rmul(g, N.data(), &RN[gj * D]);
+            for (int c = 0; c < d; ++c) x[size_t(c)] = N[size_t(c)] / sum;
+            Rmul(g, x.data(), &Ro[gj * D]);
+        }
+    }
+    std::vector<char> alive(size_t(C), 1);
+    for (int left = L; left > budget; --left) {
+        int best = -1;
+        double best_err = std::numeric_limits<double>::infinity();
+        for (int n = 0; n < C; ++n) {
+            if (!alive[size_t(n)]) continue;
+            double err = 0;
+            for (int g = 0; g < G; ++g) {
+                const double* rv = &Rv[(size_t(g) * size_t(C) + size_t(n)) * D];
+                for (int j = 0; j < w; ++j) {
+                    const size_t gj = size_t(g) * size_t(w) + size_t(j);
+                    const double en = e[gj * size_t(C) + size_t(n)];
+                    const double inv = 1.0 / (S[gj] - en);  // > 0: the window's own slots stay
+                    const double* rn = &RN[gj * D];
+                    const double* ro = &Ro[gj * D];
+                    for (int c = 0; c < d; ++c) {
+                        const double diff = ro[c] - (rn[c] - en * rv[c]) * inv;
+                        err += diff * diff;
+                    }
+                }
+            }
+            if (err < best_err) { best_err = err; best = n; }
+        }
+        alive[size_t(best)] = 0;
+        for (int g = 0; g < G; ++g) {
+            const double* rv = &Rv[(size_t(g) * size_t(C) + size_t(best)) * D];
+            for (int j = 0; j < w; ++j) {
+                const size_t gj = size_t(g) * size_t(w) + size_t(j);
+                const double en = e[gj * size_t(C) + size_t(best)];
+                S[gj] -= en;
+                for (int c = 0; c < d; ++c) RN[gj * D + size_t(c)] -= en * rv[c];
+            }
+        }
+    }
+    for (int n = 0; n < L; ++n)
+        if (n >= C || alive[size_t(n)]) keep.push_back(n);
+}
+
+/// Registry row "Oracle-W": window_oracle_keep_head per KV head over the last `window` prompt queries
+/// (layer_state::queries) and the W_O factors (layer_state::wo); budget per head as the presets'
+/// (kvevict::detail::plan_head with num_sink 0 and the window kept: floor(f * L), at least the window).
+inline kvevict_engine::method window_oracle_method(std::string name = "Oracle-W", int window = 32) {
+    kvevict_engine::method m;
+    m.name = std::move(name);
+    m.window = window;
+    m.evict = [window](const kvevict_engine::layer_state& s) -> kvevict_engine::result {
+        using kvevict_engine::result;
+        if (!s.m || !s.cache || !s.queries || !s.wo || s.wo->empty())
+            return result::failure("oracle-W: layer_state.m, .cache, .queries and .wo must be set");
+        kvevict_engine::kv_cache& c = *s.cache;
+        const int H = c.n_kv_heads(), d = c.head_dim(), G = s.m->cfg.kv_group(), l = s.layer;
+        const kvevict::query_view<const float> q = s.queries->view(l, window);
+        const int w = q.data ? int(q.extent[2]) : 0;
+        const kvevict::strided_view<const float, 3> R = s.wo->view(l);
+        kvevict::selectors::topk::params sp;
+        sp.num_sink = 0;
+        sp.num_recent = w;
+        if (const kvevict::status st = kvevict::detail::validate_budget(s.budget, sp, w); !st.ok())
+            return result::failure(std::string("oracle-W: ") + st.message());
+        std::vector<std::int32_t> indptr(size_t(H) + 1, 0), indices, keep;
+        std::vector<float> kbuf, vbuf;
+        for (int h = 0; h < H; ++h) {
+            const int L = c.length(l, h);
+            const int wh = std::min(w, L);
+            const kvevict::detail::head_plan pl = kvevict::detail::plan_head(s.budget, sp, L, wh);
+            const float* Qh = wh > 0 ? q.data + size_t(h) * size_t(G) * size_t(q.stride[1]) + size_t(w - wh) * size_t(q.stride[2]) : nullptr;
+            window_oracle_keep_head(c.head_keys(l, h, kbuf), c.head_values(l, h, vbuf), L, d, Qh, q.stride[1], q.stride[2],
+                                    R.data + size_t(h) * size_t(G) * size_t(R.stride[0]), G, wh,
+                                    pl.pass_through ? L : std::max(int(pl.base_budget), wh), keep);
+            indices.insert(indices.end(), keep.begin(), keep.end());
+            indptr[size_t(h) + 1] = std::int32_t(indices.size());
+        }
+        if (indices.empty()) indices.push_back(0);
+        return kvevict_engine::apply_selection(c, l, indptr.data(), indices.data());
+    };
+    return m;
+}
+
+/// Registry row for the look-ahead oracle ("Oracle-next"). Needs layer_state::next_query / next_key / next_value (the report
 /// provides them; the engine's sessions do not, so the oracle fails there with a clear error).
-inline kvevict_engine::method oracle_method(std::string name = "Oracle") {
+inline kvevict_engine::method oracle_method(std::string name = "Oracle-next") {
     kvevict_engine::method m;
     m.name = std::move(name);
     m.window = 0;

@@ -1,9 +1,14 @@
 #!/usr/bin/python3
-"""Plot the fidelity report: KL(full || evicted) vs keep fraction, one line per method (left), and the
-mean per-layer relative attention-output error at the first decoding step (right).
+"""Plot the fidelity report: KL(full || evicted) vs keep fraction with the standard error over the
+excerpts as error bars (left), and the mean per-layer relative attention-output error at the first
+decoding step (right).
 
 Usage: plot.py fidelity.csv out.png
-Reads the CSV written by kvevict_fidelity (columns method, keep_fraction, kl_mean, oerr_mean, ...).
+Reads the CSV written by kvevict_fidelity (columns method, keep_fraction, kl_mean, kl_se, oerr_mean, ...).
+
+Every row has a style of its own: training-free methods solid lines, learned (LKV) rows dashed, the
+oracles black and the random floor grey (references, not methods); colour and marker together tell
+rows apart, so no two rows look the same even in greyscale.
 """
 import csv
 import sys
@@ -12,6 +17,37 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+MARKERS = ["o", "s", "^", "v", "D", "P", "X", "<", ">", "p", "h", "*", "d", "8"]
+
+
+def is_learned(name):
+    return "LKV" in name
+
+
+def is_reference(name):
+    return name.startswith("Oracle") or name == "Random"
+
+
+def styles_for(methods):
+    """One (colour, marker, linestyle) per row: tab10 for training-free rows, Dark2 for the learned
+    rows (dashed: no colour is shared with a training-free row of the same marker), black for the
+    oracles, grey for the random floor."""
+    cmap, lcmap = plt.get_cmap("tab10"), plt.get_cmap("Dark2")
+    out, free_i, learned_i, oracle_i = {}, 0, 0, 0
+    for m in methods:
+        if m == "Random":
+            out[m] = dict(color="grey", marker="x", linestyle=":")
+        elif m.startswith("Oracle"):
+            out[m] = dict(color="black", marker=["*", "X", "+"][oracle_i % 3], linestyle=["--", "-.", ":"][oracle_i % 3])
+            oracle_i += 1
+        elif is_learned(m):
+            out[m] = dict(color=lcmap(learned_i % 8), marker=MARKERS[(learned_i + 7) % len(MARKERS)], linestyle="--")
+            learned_i += 1
+        else:
+            out[m] = dict(color=cmap(free_i % 10), marker=MARKERS[free_i % len(MARKERS)], linestyle="-")
+            free_i += 1
+    return out
 
 
 def main(argv):
@@ -27,18 +63,20 @@ def main(argv):
         if r["method"] not in methods:
             methods.append(r["method"])
     prompts = rows[0]["prompts"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    styles = {"Oracle": dict(color="black", linestyle="--"), "Random": dict(color="grey", linestyle=":")}
+    styles = styles_for(methods)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.6))
     for m in methods:
-        pts = sorted((float(r["keep_fraction"]), float(r["kl_mean"]), float(r["oerr_mean"])) for r in rows if r["method"] == m)
+        pts = sorted((float(r["keep_fraction"]), float(r["kl_mean"]), float(r.get("kl_se", 0) or 0), float(r["oerr_mean"]))
+                     for r in rows if r["method"] == m)
         x = [100 * p[0] for p in pts]
-        kw = styles.get(m, {})
-        lw = 2.4 if m == "ReST-KV" else 1.4
-        ax1.plot(x, [p[1] for p in pts], marker="o", label=m, linewidth=lw, **kw)
-        ax2.plot(x, [p[2] for p in pts], marker="o", label=m, linewidth=lw, **kw)
+        st = styles[m]
+        lw = 2.2 if m in ("ReST-KV", "LKV") else 1.3
+        ax1.errorbar(x, [p[1] for p in pts], yerr=[p[2] for p in pts], label=m, linewidth=lw, capsize=2.5, markersize=5,
+                     **st)
+        ax2.plot(x, [p[3] for p in pts], label=m, linewidth=lw, markersize=5, **st)
     ax1.set_yscale("log")
     ax1.set_xlabel("KV kept per head (% of the prompt)")
-    ax1.set_ylabel("mean KL(full || evicted) per token (nats)")
+    ax1.set_ylabel("mean KL(full || evicted) per token (nats), +- s.e. over excerpts")
     ax1.set_title("next-token KL, teacher-forced continuation")
     ax2.set_yscale("log")
     ax2.set_xlabel("KV kept per head (% of the prompt)")
@@ -46,9 +84,15 @@ def main(argv):
     ax2.set_title("attention-output error, first decoding step")
     for ax in (ax1, ax2):
         ax.grid(True, which="both", alpha=0.3)
-    ax1.legend(fontsize=8)
+    # one legend for both panels, grouped: training-free, learned, references
+    order = [m for m in methods if not is_learned(m) and not is_reference(m)] + [m for m in methods if is_learned(m)] + \
+        [m for m in methods if is_reference(m)]
+    handles, labels = ax1.get_legend_handles_labels()
+    by = dict(zip(labels, handles))
+    fig.legend([by[m] for m in order], order, loc="center right", fontsize=8, title="solid: training-free\ndashed: learned (LKV)\n"
+               "black / grey: oracles / random", title_fontsize=7)
     fig.suptitle("kvevict fidelity on stories260K (%s Sherlock Holmes excerpts, one-shot eviction after prefill)" % prompts, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
     fig.savefig(argv[2], dpi=110)
     print("wrote %s" % argv[2])
     return 0

@@ -331,7 +331,7 @@ TEST_CASE("random floor: deterministic, keeps the window, differs across layers"
     CHECK(layers_differ);
 }
 
-TEST_CASE("oracle: incremental greedy equals a naive greedy that recomputes the error from scratch") {
+TEST_CASE("oracle-next: incremental greedy equals a naive greedy that recomputes the error from scratch") {
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     for (int trial = 0; trial < 5; ++trial) {
@@ -389,4 +389,71 @@ TEST_CASE("oracle: incremental greedy equals a naive greedy that recomputes the 
         CHECK(fast == naive);
         CHECK(int(fast.size()) == budget);
     }
+}
+
+TEST_CASE("oracle-W: incremental greedy over the window after W_O equals a naive greedy that removes each token and recomputes") {
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    int removed = 0;
+    for (int trial = 0; trial < 5; ++trial) {
+        const int L = 14 + 3 * trial, d = 4, G = 1 + trial % 2, w = 2 + trial % 3, budget = w + 2 + trial;
+        CAPTURE(trial);
+        std::vector<float> K(size_t(L * d)), V(size_t(L * d)), Q(size_t(G * w * d)), R(size_t(G * d * d));
+        for (auto* v : {&K, &V, &Q, &R})
+            for (float& x : *v) x = 1.5f * nd(rng);
+        std::vector<std::int32_t> fast;
+        // queries laid out (g, j): head stride w * d, row stride d
+        kvevict_fidelity::window_oracle_keep_head(K.data(), V.data(), L, d, Q.data(), std::int64_t(w) * d, d, R.data(), G, w, budget, fast);
+        // naive: E(keep) = sum_g sum_j ||R_g (o_gj(all) - o_gj(keep))||^2, o_gj over the visible kept slots [0, L - w + j]
+        auto out = [&](const std::vector<char>& keep, int g, int j) {
+            std::vector<double> lg, o(size_t(d), 0.0);
+            std::vector<int> idx;
+            for (int n = 0; n <= L - w + j; ++n) {
+                if (!keep[size_t(n)]) continue;
+                double s = 0;
+                for (int c = 0; c < d; ++c) s += double(Q[size_t((g * w + j) * d + c)]) * K[size_t(n * d + c)];
+                lg.push_back(s / std::sqrt(double(d)));
+                idx.push_back(n);
+            }
+            const double mx = *std::max_element(lg.begin(), lg.end());
+            double sum = 0;
+            for (double& x : lg) sum += (x = std::exp(x - mx));
+            for (size_t i = 0; i < lg.size(); ++i)
+                for (int c = 0; c < d; ++c) o[size_t(c)] += lg[i] / sum * V[size_t(idx[i] * d + c)];
+            std::vector<double> y(size_t(d), 0.0);  // R_g o
+            for (int a = 0; a < d; ++a)
+                for (int c = 0; c < d; ++c) y[size_t(a)] += double(R[size_t((g * d + a) * d + c)]) * o[size_t(c)];
+            return y;
+        };
+        std::vector<char> all(size_t(L), 1), keep = all;
+        auto err = [&](const std::vector<char>& k) {
+            double e = 0;
+            for (int g = 0; g < G; ++g)
+                for (int j = 0; j < w; ++j) {
+                    const auto a = out(all, g, j), b = out(k, g, j);
+                    for (int c = 0; c < d; ++c) e += (a[size_t(c)] - b[size_t(c)]) * (a[size_t(c)] - b[size_t(c)]);
+                }
+            return e;
+        };
+        for (int left = L; left > budget; --left) {
+            int best = -1;
+            double be = std::numeric_limits<double>::infinity();
+            for (int n = 0; n < L - w; ++n) {  // the window's slots are kept
+                if (!keep[size_t(n)]) continue;
+                keep[size_t(n)] = 0;
+                const double e = err(keep);
+                keep[size_t(n)] = 1;
+                if (e < be) { be = e; best = n; }
+            }
+            keep[size_t(best)] = 0;
+            ++removed;
+        }
+        std::vector<std::int32_t> naive;
+        for (int n = 0; n < L; ++n)
+            if (keep[size_t(n)]) naive.push_back(n);
+        CHECK(fast == naive);
+        CHECK(int(fast.size()) == budget);
+        for (int n = L - w; n < L; ++n) CHECK(std::find(fast.begin(), fast.end(), n) != fast.end());
+    }
+    CHECK(removed > 40);
 }
