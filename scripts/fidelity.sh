@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The main job: build kvevict_fidelity (that target only), run the fidelity report on stories260K and plot it.
+# The main job: build kvevict_fidelity (that target only), run the fidelity report on stories260K and plot it,
+# on two texts: Sherlock Holmes (sherlock.txt, from which LKV's training prompts also come) and the King
+# James Bible (dumped by scripts/kjv_text.sh from Debian's bible-kjv: a text the model and LKV never saw),
+# in <report>/ and <report>/kjv/. A run given --text FILE reports on that file only.
 #
 #   scripts/fidelity.sh                  # full report: table on stdout, CSV + PNG in build-fidelity/report/
 #   scripts/fidelity.sh --smoke          # any kvevict_fidelity flag is passed through; a smoke run's files
 #                                        # are fidelity_smoke*.{txt,csv,png}, beside (never over) the full report
-#   scripts/fidelity.sh --update-docs    # also copy table, CSV and PNG to docs/ (fidelity.md's figures)
+#   scripts/fidelity.sh --update-docs    # also copy tables, CSVs and PNGs to docs/ (fidelity.md's figures;
+#                                        # the KJV report's as docs/fidelity_kjv*)
 #
 # Environment: KVEVICT_FIDELITY_BUILD (build folder, default <repo>/build-fidelity), KVEVICT_FIDELITY_OUT
 # (report folder, default <build>/report), JOBS (parallel compile jobs, default 2), KVEVICT_MODEL_DIR,
@@ -16,10 +20,12 @@ build=${KVEVICT_FIDELITY_BUILD:-$root/build-fidelity}
 out=${KVEVICT_FIDELITY_OUT:-$build/report}
 update_docs=0
 smoke=0
+own_text=0
 args=()
 for a in "$@"; do
   if [[ $a == --update-docs ]]; then update_docs=1; else args+=("$a"); fi
   if [[ $a == --smoke ]]; then smoke=1; fi
+  if [[ $a == --text ]]; then own_text=1; fi
 done
 if [[ $smoke == 1 && $update_docs == 1 ]]; then
   echo "error: --update-docs copies a full report into docs/; a --smoke run is not one (run without --smoke)" >&2
@@ -33,20 +39,46 @@ if [[ $smoke == 1 ]]; then stem=fidelity_smoke; fi
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=OFF -DKVEVICT_BUILD_TESTS=OFF \
   -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_EXAMPLES=ON -DKVEVICT_BUILD_PYTHON=OFF >/dev/null
 cmake --build "$build" -j"${JOBS:-2}" --target kvevict_fidelity
-mkdir -p "$out"
-rm -f "$out/$stem.csv"
-"$build/examples/fidelity/kvevict_fidelity" --out "$out" ${args[@]+"${args[@]}"} | tee "$out/${stem}_table.txt"
-if [[ ! -s $out/$stem.csv ]]; then
-  exit 0  # skipped (model or text missing): kvevict_fidelity said why
+# report DIR TITLE [extra flags]: run, table, plot into DIR
+report() {
+  local dir=$1 title=$2
+  shift 2
+  mkdir -p "$dir"
+  rm -f "$dir/$stem.csv"
+  local rc=0
+  "$build/examples/fidelity/kvevict_fidelity" --out "$dir" ${args[@]+"${args[@]}"} "$@" | tee "$dir/${stem}_table.txt" || rc=$?
+  if [[ $rc != 0 ]]; then
+    exit "$rc"  # an error or an incomplete table (kvevict_fidelity said why): the job fails
+  fi
+  if [[ ! -s $dir/$stem.csv ]]; then
+    return 1  # skipped (model or text missing): kvevict_fidelity said why
+  fi
+  if /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
+    /usr/bin/python3 "$root/examples/fidelity/plot.py" "$dir/$stem.csv" "$dir/${stem}_kl.png" "$title"
+  else
+    echo "warning: /usr/bin/python3 with matplotlib not found; no plot" >&2
+  fi
+}
+if [[ $own_text == 1 ]]; then
+  report "$out" "the given text" || true
+  exit 0
 fi
-if /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
-  /usr/bin/python3 "$root/examples/fidelity/plot.py" "$out/$stem.csv" "$out/${stem}_kl.png"
+report "$out" "Sherlock Holmes" || exit 0
+kjv=0
+if "$root/scripts/kjv_text.sh" "$build/kjv.txt"; then
+  echo
+  report "$out/kjv" "King James Bible" --text "$build/kjv.txt" && kjv=1
 else
-  echo "warning: /usr/bin/python3 with matplotlib not found; no plot" >&2
+  echo "warning: no King James Bible text (scripts/kjv_text.sh failed: scripts/setup.sh main installs bible-kjv); Sherlock report only" >&2
 fi
 if [[ $update_docs == 1 ]]; then
   cp "$out/fidelity.csv" "$root/docs/fidelity.csv"
   cp "$out/fidelity_table.txt" "$root/docs/fidelity_table.txt"
   [[ -f $out/fidelity_kl.png ]] && cp "$out/fidelity_kl.png" "$root/docs/fidelity_kl.png"
-  echo "updated docs/fidelity.csv, docs/fidelity_table.txt, docs/fidelity_kl.png"
+  if [[ $kjv == 1 ]]; then
+    cp "$out/kjv/fidelity.csv" "$root/docs/fidelity_kjv.csv"
+    cp "$out/kjv/fidelity_table.txt" "$root/docs/fidelity_kjv_table.txt"
+    [[ -f $out/kjv/fidelity_kl.png ]] && cp "$out/kjv/fidelity_kl.png" "$root/docs/fidelity_kjv_kl.png"
+  fi
+  echo "updated docs/fidelity{,_kjv}.csv, docs/fidelity{,_kjv}_table.txt, docs/fidelity{,_kjv}_kl.png"
 fi

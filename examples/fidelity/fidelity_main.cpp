@@ -57,7 +57,7 @@ std::string resolve_data_dir(const std::string& flag) {
 }
 
 struct options {
-    std::string model_flag, data_flag, out_dir = ".", only, dump;
+    std::string model_flag, data_flag, text_flag, out_dir = ".", only, dump;
     int prompts = 6, prompt_tokens = 448, steps = 64, chunk = 0, page_size = 0;  // page_size > 0: --paged
     std::vector<double> fractions{0.1, 0.2, 0.3, 0.5};
     bool smoke = false, ablations = false;
@@ -66,7 +66,7 @@ struct options {
 int usage(const char* argv0, const std::string& why) {
     if (!why.empty()) std::fprintf(stderr, "error: %s\n", why.c_str());
     std::fprintf(stderr,
-                 "usage: %s [--smoke] [--model DIR] [--data DIR] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
+                 "usage: %s [--smoke] [--model DIR] [--data DIR] [--text FILE] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
                  "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..] [--ablations] [--chunk N] [--dump FILE]\n"
                  "          [--paged [--page-size N]]\n"
                  "  --smoke            1 prompt, fractions 0.2,0.5, 8 steps; checks the table (exit 1 if incomplete\n"
@@ -74,6 +74,8 @@ int usage(const char* argv0, const std::string& why) {
                  "                     writes fidelity_smoke.csv and fidelity_smoke_per_prompt.csv, never the full report's files\n"
                  "  --model DIR        model folder (default $KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K)\n"
                  "  --data DIR         text folder with sherlock.txt (default $KVEVICT_DATA_DIR, else <repo>/../shared/data/text)\n"
+                 "  --text FILE        the prose the excerpts come from, instead of <data>/sherlock.txt (e.g. the King\n"
+                 "                     James Bible, scripts/kjv_text.sh: a text the model and LKV never saw in training)\n"
                  "  --out DIR          where fidelity.csv and fidelity_per_prompt.csv go (default .)\n"
                  "  --prompts N        excerpts (default 6)\n"
                  "  --prompt-tokens N  tokens per excerpt, BOS included (default 448)\n"
@@ -378,6 +380,7 @@ int main(int argc, char** argv) {
         const std::string v = argv[++i];
         if (a == "--model") opt.model_flag = v;
         else if (a == "--data") opt.data_flag = v;
+        else if (a == "--text") opt.text_flag = v;
         else if (a == "--out") opt.out_dir = v;
         else if (a == "--methods") opt.only = v;
         else if (a == "--dump") opt.dump = v;
@@ -419,7 +422,8 @@ int main(int argc, char** argv) {
     Eigen::setNbThreads(1);
     const auto t0 = std::chrono::steady_clock::now();
     const std::string mdir = resolve_model_dir(opt.model_flag), ddir = resolve_data_dir(opt.data_flag);
-    const std::string text_path = ddir + "/sherlock.txt";
+    const std::string text_path = opt.text_flag.empty() ? ddir + "/sherlock.txt" : opt.text_flag;
+    const std::string text_name = std::filesystem::path(text_path).filename().string();
     if (!model_dir_exists(mdir) || !std::filesystem::is_regular_file(text_path)) {
         const std::string what = !model_dir_exists(mdir) ? "model folder '" + mdir + "'" : "text file '" + text_path + "'";
         if (opt.smoke) {
@@ -471,8 +475,8 @@ int main(int argc, char** argv) {
     }
     const config& c = m.cfg;
     std::printf("kvevict fidelity: stories260K (dim %d, %d layers, %d heads / %d KV heads, head_dim %d), %d excerpts of %d tokens "
-                "from sherlock.txt, %d continuation tokens, %s%s\n",
-                c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), opt.prompts, opt.prompt_tokens, opt.steps,
+                "from %s, %d continuation tokens, %s%s\n",
+                c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), opt.prompts, opt.prompt_tokens, text_name.c_str(), opt.steps,
                 opt.chunk > 0 ? ("chunked-prefill eviction every " + std::to_string(opt.chunk) + " tokens").c_str()
                               : "one-shot eviction at the end of prefill",
                 opt.page_size > 0 ? (", paged KV cache (page size " + std::to_string(opt.page_size) + ")").c_str() : "");

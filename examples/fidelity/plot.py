@@ -3,7 +3,8 @@
 excerpts as error bars (left), and the mean per-layer relative attention-output error at the first
 decoding step (right).
 
-Usage: plot.py fidelity.csv out.png
+Usage: plot.py fidelity.csv out.png [TEXT]    (TEXT names the excerpts' source in the title; default
+"Sherlock Holmes")
 Reads the CSV written by kvevict_fidelity (columns method, keep_fraction, kl_mean, kl_se, oerr_mean, ...).
 
 Every row has a style of its own: training-free methods solid lines, learned (LKV) rows dashed, the
@@ -51,9 +52,10 @@ def styles_for(methods):
 
 
 def main(argv):
-    if len(argv) != 3:
-        sys.stderr.write("usage: plot.py fidelity.csv out.png\n")
+    if len(argv) not in (3, 4):
+        sys.stderr.write("usage: plot.py fidelity.csv out.png [TEXT]\n")
         return 2
+    text = argv[3] if len(argv) == 4 else "Sherlock Holmes"
     rows = list(csv.DictReader(open(argv[1], newline="")))
     if not rows:
         sys.stderr.write("plot.py: %s has no rows\n" % argv[1])
@@ -91,7 +93,7 @@ def main(argv):
     by = dict(zip(labels, handles))
     fig.legend([by[m] for m in order], order, loc="center right", fontsize=8, title="solid: training-free\ndashed: learned (LKV)\n"
                "black / grey: oracles / random", title_fontsize=7)
-    fig.suptitle("kvevict fidelity on stories260K (%s Sherlock Holmes excerpts, one-shot eviction after prefill)" % prompts, fontsize=10)
+    fig.suptitle("kvevict fidelity on stories260K (%s %s excerpts, one-shot eviction after prefill)" % (prompts, text), fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.84, 1))
     fig.savefig(argv[2], dpi=110)
     print("wrote %s" % argv[2])

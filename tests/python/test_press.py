@@ -26,7 +26,7 @@ from kvevict.press import Press
 sys.path.insert(0, os.path.join(REPO, "tools", "lkv"))
 import llama2c  # noqa: E402
 
-# fidelity row -> kvevict method (the presets and the LKV rows; Random, Oracle and the custom
+# fidelity row -> kvevict method (the presets and the LKV rows; Random, the oracles and the custom
 # AdaKV+LKV-T composition are not methods of the binding)
 ROWS = {
     "ReST-KV": "restkv", "SnapKV": "snapkv", "PyramidKV": "pyramidkv", "AdaKV": "adakv", "H2O": "h2o", "TOVA": "tova",
