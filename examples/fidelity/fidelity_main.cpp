@@ -56,19 +56,41 @@ std::string resolve_data_dir(const std::string& flag) {
 #endif
 }
 
+/// One budget of the report: a keep fraction of each head's tokens, or a number of tokens per head.
+struct budget_spec {
+    double fraction = 0;  ///< > 0: keep fraction (budget_request::fraction)
+    int tokens = 0;       ///< > 0: tokens per head (budget_request::tokens)
+    kvevict::budget_request request() const {
+        return tokens > 0 ? kvevict::budget_request::tokens(tokens) : kvevict::budget_request::fraction(fraction);
+    }
+    /// Tokens per head for chunked prefill: the tokens, or floor(fraction * prompt length), at least 1.
+    int chunk_budget(size_t prompt) const { return tokens > 0 ? tokens : std::max(1, int(std::floor(fraction * double(prompt)))); }
+    /// "10%" or "64t".
+    std::string label() const {
+        char b[32];
+        if (tokens > 0) std::snprintf(b, sizeof b, "%dt", tokens);
+        else std::snprintf(b, sizeof b, "%.0f%%", 100 * fraction);
+        return b;
+    }
+    /// The CSV's keep_fraction: the fraction, or tokens / prompt tokens.
+    double nominal_fraction(int prompt_tokens) const { return tokens > 0 ? double(tokens) / double(prompt_tokens) : fraction; }
+};
+
 struct options {
-    std::string model_flag, data_flag, text_flag, out_dir = ".", only, dump;
+    std::string model_flag, data_flag, text_flag, out_dir = ".", only, dump, prompt_file, write_prompts;
     int prompts = 6, prompt_tokens = 448, steps = 64, chunk = 0, page_size = 0;  // page_size > 0: --paged
-    std::vector<double> fractions{0.1, 0.2, 0.3, 0.5};
+    std::vector<budget_spec> budgets{{0.1, 0}, {0.2, 0}, {0.3, 0}, {0.5, 0}};
     bool smoke = false, ablations = false;
+    bool text_continuation = false;  ///< --continuation text: teacher-force the real text after each excerpt
 };
 
 int usage(const char* argv0, const std::string& why) {
     if (!why.empty()) std::fprintf(stderr, "error: %s\n", why.c_str());
     std::fprintf(stderr,
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--text FILE] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
-                 "          [--steps N] [--fractions F,F,..] [--methods NAME,NAME,..] [--ablations] [--chunk N] [--dump FILE]\n"
-                 "          [--paged [--page-size N]]\n"
+                 "          [--steps N] [--fractions F,F,.. | --budgets N,N,..] [--continuation greedy|text]\n"
+                 "          [--prompt-file FILE] [--write-prompts FILE] [--methods NAME,NAME,..] [--ablations] [--chunk N]\n"
+                 "          [--dump FILE] [--paged [--page-size N]]\n"
                  "  --smoke            1 prompt, fractions 0.2,0.5, 8 steps; checks the table (exit 1 if incomplete\n"
                  "                     or not finite; exit 0 with a message if the model/text folder is missing);\n"
                  "                     writes fidelity_smoke.csv and fidelity_smoke_per_prompt.csv, never the full report's files\n"
@@ -81,6 +103,13 @@ int usage(const char* argv0, const std::string& why) {
                  "  --prompt-tokens N  tokens per excerpt, BOS included (default 448)\n"
                  "  --steps N          continuation tokens (default 64)\n"
                  "  --fractions LIST   keep fractions in (0, 1] (default 0.1,0.2,0.3,0.5)\n"
+                 "  --budgets LIST     budgets in tokens per head instead of fractions (e.g. 32,64,128)\n"
+                 "  --continuation M   greedy (default): the full cache's greedy continuation, teacher-forced; text: the\n"
+                 "                     excerpt's real next tokens, teacher-forced (match is then a separate free-running decode)\n"
+                 "  --prompt-file FILE prompts as token ids, one per line: 'ids... [| continuation ids...]' (with a\n"
+                 "                     continuation on every line it is teacher-forced; else greedy); replaces the text\n"
+                 "  --write-prompts FILE  write the run's prompts and continuations in --prompt-file's format: rerun\n"
+                 "                     with --prompt-file FILE reproduces the run's figures bit for bit\n"
                  "  --methods LIST     only these rows (names as printed)\n"
                  "  --ablations        add ReST-KV ablation rows (diagnostics; one change each from the defaults)\n"
                  "  --chunk N          chunked-prefill eviction every N prompt tokens (budget floor(f * prompt) tokens per\n"
@@ -113,9 +142,13 @@ std::vector<std::string> split(const std::string& s) {
 
 /// `n` excerpts of `tokens` tokens (BOS first): starts spread evenly over the text, each moved to the
 /// next paragraph start.
-result make_prompts(const tokenizer& tok, const std::string& text, int n, int tokens, std::vector<std::vector<int>>& out) {
+/// n excerpts of `tokens` tokens; with cont_tokens > 0 also the next cont_tokens tokens of each excerpt's
+/// text (the real continuation) in *cont (the excerpt then comes from a longer piece of text).
+result make_prompts(const tokenizer& tok, const std::string& text, int n, int tokens, std::vector<std::vector<int>>& out,
+                    int cont_tokens = 0, std::vector<std::vector<int>>* cont = nullptr) {
     out.clear();
-    const size_t chars = size_t(tokens) * 3 + 64;  // ~1.7 chars per token: 3 is ample
+    if (cont) cont->clear();
+    const size_t chars = size_t(tokens + cont_tokens) * 3 + 64;  // ~1.7 chars per token: 3 is ample
     if (text.size() < chars * 2) return result::failure("text too short for excerpts");
     for (int i = 0; i < n; ++i) {
         size_t start = (text.size() - chars) * size_t(2 * i + 1) / size_t(2 * n);
@@ -126,10 +159,54 @@ result make_prompts(const tokenizer& tok, const std::string& text, int n, int to
         for (char& ch : piece)
             if (ch == '\n') ch = ' ';  // prose, not line breaks (a 512-piece vocabulary has few '\n' merges)
         std::vector<int> t = tok.encode(piece);
-        if (int(t.size()) < tokens) return result::failure("excerpt " + std::to_string(i) + " has only " + std::to_string(t.size()) + " tokens");
+        if (int(t.size()) < tokens + cont_tokens)
+            return result::failure("excerpt " + std::to_string(i) + " has only " + std::to_string(t.size()) + " tokens");
+        if (cont) cont->emplace_back(t.begin() + tokens, t.begin() + tokens + cont_tokens);
         t.resize(size_t(tokens));
         out.push_back(std::move(t));
     }
+    return result::success();
+}
+
+/// Prompts from a token-id file: one per line, "id id ... [| id id ...]" (the part after '|' is the
+/// continuation to teacher-force); blank lines and lines starting with '#' are skipped. Every line has a
+/// continuation or none does. Errors name the line: an id outside [0, vocab), a prompt shorter than 2
+/// tokens, a mix of lines with and without a continuation.
+result read_prompt_file(const std::string& path, int vocab, std::vector<std::vector<int>>& prompts, std::vector<std::vector<int>>& conts) {
+    std::ifstream f(path);
+    if (!f) return result::failure("cannot read --prompt-file " + path);
+    prompts.clear();
+    conts.clear();
+    std::string line;
+    int no = 0, with = 0;
+    while (std::getline(f, line)) {
+        ++no;
+        if (line.find_first_not_of(" \t\r") == std::string::npos || line[line.find_first_not_of(" \t")] == '#') continue;
+        const size_t bar = line.find('|');
+        std::vector<int> parts[2];
+        for (int k = 0; k < 2; ++k) {
+            if (k == 1 && bar == std::string::npos) break;
+            std::istringstream is(k == 0 ? line.substr(0, bar) : line.substr(bar + 1));
+            std::string w;
+            while (is >> w) {
+                char* end = nullptr;
+                const long id = std::strtol(w.c_str(), &end, 10);
+                if (end == w.c_str() || *end != '\0' || id < 0 || id >= vocab)
+                    return result::failure(path + ":" + std::to_string(no) + ": token id '" + w + "' is not in [0, " + std::to_string(vocab) + ")");
+                parts[k].push_back(int(id));
+            }
+        }
+        if (parts[0].size() < 2) return result::failure(path + ":" + std::to_string(no) + ": a prompt needs at least 2 token ids");
+        if (bar != std::string::npos && parts[1].empty()) return result::failure(path + ":" + std::to_string(no) + ": empty continuation after '|'");
+        with += bar != std::string::npos ? 1 : 0;
+        prompts.push_back(std::move(parts[0]));
+        conts.push_back(std::move(parts[1]));
+    }
+    if (prompts.empty()) return result::failure("--prompt-file " + path + " holds no prompt");
+    if (with != 0 && with != int(prompts.size()))
+        return result::failure("--prompt-file " + path + ": " + std::to_string(with) + " of " + std::to_string(prompts.size()) +
+                               " lines have a continuation; give one on every line or on none");
+    if (with == 0) conts.clear();
     return result::success();
 }
 
@@ -189,14 +266,20 @@ struct reference {
     kv_cache prefilled;                     // cache right after the prompt
     query_log queries;                      // every prompt query (H2O reads all)
     int first = 0;                          // c0 = argmax of the prompt's last logits (identical for all)
-    std::vector<int> inputs;                // c0, t1, ..., t_{steps-1}
+    std::vector<int> inputs;                // c0, t1, ..., t_{steps-1} (greedy), or the given continuation (text)
+    bool teacher_text = false;              // inputs are a given continuation, not the greedy one
+    std::vector<int> greedy_top1;           // steps: the full cache's free-running greedy tokens after c0 = first
     std::vector<std::vector<double>> logp;  // steps x vocab: full-cache next-token log-probs
     std::vector<int> top1;                  // steps: full-cache argmax (t1 .. t_steps)
     std::vector<std::vector<float>> q, k, v;      // per layer: c0's query (dim), key and value (kv_dim)
     std::vector<std::vector<double>> o, y;        // per layer: c0's attention output (dim) and W_O o
 };
 
-result run_reference(const model& m, const std::vector<int>& prompt, int steps, int page_size, reference& ref) {
+/// The full run of one prompt: prefill, then `steps` tokens teacher-forced: the greedy continuation
+/// (continuation empty), or the given one (its first `steps` tokens; then also a free-running greedy
+/// decode for the match metric).
+result run_reference(const model& m, const std::vector<int>& prompt, int steps, int page_size, const std::vector<int>& continuation,
+                     reference& ref) {
     const config& c = m.cfg;
     ref.prefilled = kv_cache(c, int(prompt.size()) + steps + 1, page_size);  // page_size 0: contiguous
     ref.queries = query_log(c, -1);
@@ -217,13 +300,28 @@ result run_reference(const model& m, const std::vector<int>& prompt, int steps, 
     ref.inputs.clear();
     ref.logp.clear();
     ref.top1.clear();
-    int tok = ref.first;
+    ref.teacher_text = !continuation.empty();
+    if (ref.teacher_text && int(continuation.size()) < steps)
+        return result::failure("the given continuation has " + std::to_string(continuation.size()) + " tokens < steps " + std::to_string(steps));
+    int tok = ref.teacher_text ? continuation[0] : ref.first;
     for (int i = 0; i < steps; ++i) {
         ref.inputs.push_back(tok);
         if (result r = forward(m, cache, tok, logits, i == 0 ? first : forward_options{}); !r) return r;
         ref.logp.push_back(log_softmax(logits));
-        tok = argmax(logits);
-        ref.top1.push_back(tok);
+        const int a = argmax(logits);
+        ref.top1.push_back(a);
+        tok = ref.teacher_text ? (i + 1 < steps ? continuation[size_t(i) + 1] : a) : a;
+    }
+    ref.greedy_top1 = ref.top1;
+    if (ref.teacher_text) {  // the full cache's own greedy decode from c0 = first
+        kv_cache g = ref.prefilled;
+        ref.greedy_top1.clear();
+        int t = ref.first;
+        for (int i = 0; i < steps; ++i) {
+            if (result r = forward(m, g, t, logits); !r) return r;
+            t = argmax(logits);
+            ref.greedy_top1.push_back(t);
+        }
     }
     const int hd = c.head_dim();
     for (int l = 0; l < c.n_layers; ++l) {
@@ -240,6 +338,7 @@ result run_reference(const model& m, const std::vector<int>& prompt, int steps, 
 struct metrics {
     double kl = 0, top1 = 0, match = 0, kv_bytes = 0, oerr_prop = 0;
     std::vector<double> oerr, oerr_wo;  // per layer (isolated)
+    std::vector<double> oerr_wo_prop;   // per layer, after W_O, measured in the evicted run (propagated)
 };
 double mean(const std::vector<double>& v) {
     double s = 0;
@@ -266,13 +365,13 @@ double t_critical_95(int df) {
 /// (chunk == 0), or chunked prefill through eviction_session (chunk > 0: every `chunk` prompt tokens,
 /// budget floor(fraction * prompt length) tokens per head).
 result evicted_cache(const model& m, const wo_factors& wo, const reference& ref, const std::vector<int>& prompt, const method& meth,
-                     double fraction, int chunk, kv_cache& cache) {
+                     const budget_spec& budget, int chunk, kv_cache& cache) {
     const config& c = m.cfg;
     if (chunk > 0) {
         session_options so;
         so.prefill = prefill_mode::chunked;
         so.chunk = chunk;
-        so.budget = kvevict::budget_request::tokens(std::max(1, int(std::floor(fraction * double(prompt.size())))));
+        so.budget = kvevict::budget_request::tokens(budget.chunk_budget(prompt.size()));
         so.page_size = ref.prefilled.page_size();
         eviction_session s(m, wo, meth, so, ref.prefilled.capacity());
         std::vector<float> logits;
@@ -288,7 +387,7 @@ result evicted_cache(const model& m, const wo_factors& wo, const reference& ref,
         s.cache = &cache;
         s.layer = l;
         s.queries = &ref.queries;
-        s.budget = kvevict::budget_request::fraction(fraction);
+        s.budget = budget.request();
         s.next_query = ref.q[size_t(l)].data();
         s.next_key = ref.k[size_t(l)].data();
         s.next_value = ref.v[size_t(l)].data();
@@ -304,7 +403,7 @@ using kept_positions = std::vector<std::vector<std::vector<int>>>;
 using page_rounds = std::vector<std::pair<long, long>>;
 
 result evaluate(const model& m, const wo_factors& wo, const reference& ref, const std::vector<int>& prompt, const method& meth,
-                double fraction, int chunk, metrics& out, kept_positions* kept = nullptr, page_rounds* pages = nullptr) {
+                const budget_spec& budget, int chunk, metrics& out, kept_positions* kept = nullptr, page_rounds* pages = nullptr) {
     const config& c = m.cfg;
     kv_cache cache;
     method counted = meth;
@@ -320,7 +419,7 @@ result evaluate(const model& m, const wo_factors& wo, const reference& ref, cons
             return r;
         };
     }
-    if (result r = evicted_cache(m, wo, ref, prompt, counted, fraction, chunk, cache); !r) return r;
+    if (result r = evicted_cache(m, wo, ref, prompt, counted, budget, chunk, cache); !r) return r;
     if (kept) {
         kept->assign(size_t(c.n_layers), std::vector<std::vector<int>>(size_t(c.n_kv_heads)));
         for (int l = 0; l < c.n_layers; ++l)
@@ -343,7 +442,17 @@ result evaluate(const model& m, const wo_factors& wo, const reference& ref, cons
     first.on_head_output = [&](int l, const float* x) { o_prop[size_t(l)].assign(x, x + c.dim); };
     std::vector<float> logits;
     const int steps = int(ref.inputs.size());
-    bool diverged = false;
+    if (ref.teacher_text) {  // free-running greedy match: the evicted cache's own decode from c0 = first
+        kv_cache g = cache;
+        int t = ref.first;
+        for (int i = 0; i < steps; ++i) {
+            if (result r = forward(m, g, t, logits); !r) return r;
+            t = argmax(logits);
+            if (t != ref.greedy_top1[size_t(i)]) break;
+            out.match += 1;
+        }
+    }
+    bool diverged = ref.teacher_text;  // teacher-forced greedy continuation: match = steps before the first disagreement
     for (int i = 0; i < steps; ++i) {
         if (result r = forward(m, cache, ref.inputs[size_t(i)], logits, i == 0 ? first : forward_options{}); !r) return r;
         const std::vector<double> lq = log_softmax(logits);
@@ -358,7 +467,10 @@ result evaluate(const model& m, const wo_factors& wo, const reference& ref, cons
     }
     out.kl /= steps;
     out.top1 /= steps;
-    for (int l = 0; l < c.n_layers; ++l) out.oerr_prop += rel_err(ref.o[size_t(l)], o_prop[size_t(l)]) / c.n_layers;
+    for (int l = 0; l < c.n_layers; ++l) {
+        out.oerr_prop += rel_err(ref.o[size_t(l)], o_prop[size_t(l)]) / c.n_layers;
+        out.oerr_wo_prop.push_back(rel_err(ref.y[size_t(l)], apply_wo(m, l, o_prop[size_t(l)])));
+    }
     return result::success();
 }
 
@@ -368,7 +480,7 @@ bool is_finite(double x) { return std::isfinite(x); }
 
 int main(int argc, char** argv) {
     options opt;
-    std::string fractions_flag, steps_flag, prompts_flag;
+    std::string fractions_flag, budgets_flag, steps_flag, prompts_flag;
     bool paged = false, page_size_given = false;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
@@ -387,6 +499,13 @@ int main(int argc, char** argv) {
         else if (a == "--prompts") prompts_flag = v;
         else if (a == "--steps") steps_flag = v;
         else if (a == "--fractions") fractions_flag = v;
+        else if (a == "--budgets") budgets_flag = v;
+        else if (a == "--prompt-file") opt.prompt_file = v;
+        else if (a == "--write-prompts") opt.write_prompts = v;
+        else if (a == "--continuation") {
+            if (v != "greedy" && v != "text") return usage(argv[0], "--continuation must be greedy or text, not '" + v + "'");
+            opt.text_continuation = v == "text";
+        }
         else if (a == "--page-size") {
             if (!parse_int(v, 1, 1 << 20, opt.page_size)) return usage(argv[0], "--page-size needs an integer in 1..1048576");
             page_size_given = true;
@@ -402,20 +521,32 @@ int main(int argc, char** argv) {
     if (opt.smoke) {
         opt.prompts = 1;
         opt.steps = 8;
-        opt.fractions = {0.2, 0.5};
+        opt.budgets = {{0.2, 0}, {0.5, 0}};
     }
     if (!prompts_flag.empty() && !parse_int(prompts_flag, 1, 1000, opt.prompts)) return usage(argv[0], "--prompts needs an integer in 1..1000");
     if (!steps_flag.empty() && !parse_int(steps_flag, 1, 1 << 20, opt.steps)) return usage(argv[0], "--steps needs an integer in 1..1048576");
+    if (!fractions_flag.empty() && !budgets_flag.empty()) return usage(argv[0], "give --fractions or --budgets, not both");
     if (!fractions_flag.empty()) {
-        opt.fractions.clear();
+        opt.budgets.clear();
         for (const std::string& f : split(fractions_flag)) {
             char* end = nullptr;
             const double x = std::strtod(f.c_str(), &end);
             if (end == f.c_str() || *end != '\0' || !(x > 0.0 && x <= 1.0)) return usage(argv[0], "--fractions: '" + f + "' is not in (0, 1]");
-            opt.fractions.push_back(x);
+            opt.budgets.push_back({x, 0});
         }
-        if (opt.fractions.empty()) return usage(argv[0], "--fractions is empty");
+        if (opt.budgets.empty()) return usage(argv[0], "--fractions is empty");
     }
+    if (!budgets_flag.empty()) {
+        opt.budgets.clear();
+        for (const std::string& b : split(budgets_flag)) {
+            int n = 0;
+            if (!parse_int(b, 1, 1 << 20, n)) return usage(argv[0], "--budgets: '" + b + "' is not a token count in 1..1048576");
+            opt.budgets.push_back({0.0, n});
+        }
+        if (opt.budgets.empty()) return usage(argv[0], "--budgets is empty");
+    }
+    if (!opt.prompt_file.empty() && (opt.text_continuation || !opt.text_flag.empty() || !prompts_flag.empty()))
+        return usage(argv[0], "--prompt-file gives the prompts (and continuations): no --text, --prompts or --continuation with it");
 
     // One thread for Eigen's own products: the matrices here are tiny, and OpenMP threads spinning on a
     // shared 2-core machine cost more than they give (kvevict's evictor also runs with num_threads = 1).
@@ -424,7 +555,7 @@ int main(int argc, char** argv) {
     const std::string mdir = resolve_model_dir(opt.model_flag), ddir = resolve_data_dir(opt.data_flag);
     const std::string text_path = opt.text_flag.empty() ? ddir + "/sherlock.txt" : opt.text_flag;
     const std::string text_name = std::filesystem::path(text_path).filename().string();
-    if (!model_dir_exists(mdir) || !std::filesystem::is_regular_file(text_path)) {
+    if (!model_dir_exists(mdir) || (opt.prompt_file.empty() && !std::filesystem::is_regular_file(text_path))) {
         const std::string what = !model_dir_exists(mdir) ? "model folder '" + mdir + "'" : "text file '" + text_path + "'";
         if (opt.smoke) {
             std::printf("skipping fidelity smoke test: %s not found (set KVEVICT_MODEL_DIR / KVEVICT_DATA_DIR)\n", what.c_str());
@@ -435,6 +566,29 @@ int main(int argc, char** argv) {
     }
     model m;
     if (result r = load_model(model_file(mdir), m); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+    tokenizer tok;
+    if (result r = tok.load(tokenizer_file(mdir), m.cfg.vocab_size); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+    std::vector<std::vector<int>> prompts, continuations;  // continuations: empty = greedy protocol
+    std::string source = text_name;
+    if (!opt.prompt_file.empty()) {
+        if (result r = read_prompt_file(opt.prompt_file, m.cfg.vocab_size, prompts, continuations); !r) {
+            std::fprintf(stderr, "error: %s\n", r.error.c_str());
+            return 2;
+        }
+        size_t shortest = size_t(-1), longest = 0;
+        for (const auto& pr : prompts) longest = std::max(longest, pr.size());
+        for (const auto& ct : continuations) shortest = std::min(shortest, ct.size());
+        if (!continuations.empty()) {
+            if (steps_flag.empty()) opt.steps = int(shortest);
+            else if (size_t(opt.steps) > shortest) {
+                std::fprintf(stderr, "error: --steps %d > the shortest continuation in %s (%zu tokens)\n", opt.steps, opt.prompt_file.c_str(), shortest);
+                return 2;
+            }
+        }
+        opt.prompts = int(prompts.size());
+        opt.prompt_tokens = int(longest);
+        source = std::filesystem::path(opt.prompt_file).filename().string() + " (token ids)";
+    }
     // Every position the report runs (prompt, then the continuation) must lie inside the context
     // the model was trained on: past it RoPE positions are untrained and the figures meaningless.
     if (opt.prompt_tokens + opt.steps > m.cfg.seq_len) {
@@ -445,12 +599,16 @@ int main(int argc, char** argv) {
                      std::max(0, m.cfg.seq_len - opt.steps), opt.steps);
         return 2;
     }
-    tokenizer tok;
-    if (result r = tok.load(tokenizer_file(mdir), m.cfg.vocab_size); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
-    std::ifstream tf(text_path, std::ios::binary);
-    const std::string text{std::istreambuf_iterator<char>(tf), std::istreambuf_iterator<char>()};
-    std::vector<std::vector<int>> prompts;
-    if (result r = make_prompts(tok, text, opt.prompts, opt.prompt_tokens, prompts); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+    if (opt.prompt_file.empty()) {
+        std::ifstream tf(text_path, std::ios::binary);
+        const std::string text{std::istreambuf_iterator<char>(tf), std::istreambuf_iterator<char>()};
+        if (result r = make_prompts(tok, text, opt.prompts, opt.prompt_tokens, prompts, opt.text_continuation ? opt.steps : 0,
+                                    opt.text_continuation ? &continuations : nullptr);
+            !r) {
+            std::fprintf(stderr, "error: %s\n", r.error.c_str());
+            return 1;
+        }
+    }
     wo_factors wo;
     if (result r = wo.compute(m); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
 
@@ -475,14 +633,20 @@ int main(int argc, char** argv) {
     }
     const config& c = m.cfg;
     std::printf("kvevict fidelity: stories260K (dim %d, %d layers, %d heads / %d KV heads, head_dim %d), %d excerpts of %d tokens "
-                "from %s, %d continuation tokens, %s%s\n",
-                c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), opt.prompts, opt.prompt_tokens, text_name.c_str(), opt.steps,
+                "from %s, %d continuation tokens%s, %s%s\n",
+                c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), opt.prompts, opt.prompt_tokens, source.c_str(), opt.steps,
+                continuations.empty() ? "" : " (the given text, teacher-forced; match: free-running greedy)",
                 opt.chunk > 0 ? ("chunked-prefill eviction every " + std::to_string(opt.chunk) + " tokens").c_str()
                               : "one-shot eviction at the end of prefill",
                 opt.page_size > 0 ? (", paged KV cache (page size " + std::to_string(opt.page_size) + ")").c_str() : "");
 
     // results[method][fraction] = per-prompt metrics
-    std::vector<std::vector<std::vector<metrics>>> res(methods.size(), std::vector<std::vector<metrics>>(opt.fractions.size()));
+    std::vector<std::vector<std::vector<metrics>>> res(methods.size(), std::vector<std::vector<metrics>>(opt.budgets.size()));
+    std::FILE* wp = nullptr;
+    if (!opt.write_prompts.empty() && !(wp = std::fopen(opt.write_prompts.c_str(), "w"))) {
+        std::fprintf(stderr, "error: cannot write --write-prompts file %s\n", opt.write_prompts.c_str());
+        return 1;
+    }
     bool ok = true;
     std::FILE* dump = nullptr;
     if (!opt.dump.empty() && !(dump = std::fopen(opt.dump.c_str(), "w"))) {
@@ -497,7 +661,17 @@ int main(int argc, char** argv) {
     std::vector<std::string> excerpt_text;
     for (size_t p = 0; p < prompts.size(); ++p) {
         reference ref;
-        if (result r = run_reference(m, prompts[p], opt.steps, opt.page_size, ref); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+        if (result r = run_reference(m, prompts[p], opt.steps, opt.page_size, continuations.empty() ? std::vector<int>{} : continuations[p], ref);
+            !r) {
+            std::fprintf(stderr, "error: %s\n", r.error.c_str());
+            return 1;
+        }
+        if (wp) {  // prompt | the continuation as teacher-forced: a rerun with --prompt-file reproduces this run
+            for (int x : prompts[p]) std::fprintf(wp, "%d ", x);
+            std::fprintf(wp, "|");
+            for (int x : ref.inputs) std::fprintf(wp, " %d", x);
+            std::fprintf(wp, "\n");
+        }
         // self-check of the isolated measurement: the unevicted cache must reproduce forward()'s output
         std::vector<double> o;
         for (int l = 0; l < c.n_layers; ++l) {
@@ -512,14 +686,15 @@ int main(int argc, char** argv) {
             dump_ints(ref.inputs);
         }
         for (size_t i = 0; i < methods.size(); ++i)
-            for (size_t f = 0; f < opt.fractions.size(); ++f) {
+            for (size_t f = 0; f < opt.budgets.size(); ++f) {
                 metrics mt;
                 kept_positions kept;
                 page_rounds pages;
-                if (result r = evaluate(m, wo, ref, prompts[p], methods[i], opt.fractions[f], opt.chunk, mt, dump ? &kept : nullptr,
+                if (result r = evaluate(m, wo, ref, prompts[p], methods[i], opt.budgets[f], opt.chunk, mt, dump ? &kept : nullptr,
                                         opt.page_size > 0 ? &pages : nullptr);
                     !r) {
-                    std::fprintf(stderr, "error: %s at keep %.2f, prompt %zu: %s\n", methods[i].name.c_str(), opt.fractions[f], p, r.error.c_str());
+                    std::fprintf(stderr, "error: %s at keep %s, prompt %zu: %s\n", methods[i].name.c_str(), opt.budgets[f].label().c_str(), p,
+                                 r.error.c_str());
                     ok = false;
                     continue;
                 }
@@ -527,20 +702,22 @@ int main(int argc, char** argv) {
                 if (opt.page_size > 0) {
                     std::string line;
                     for (const auto& pr : pages) line += (line.empty() ? "" : ", ") + std::to_string(pr.first) + " -> " + std::to_string(pr.second);
-                    std::fprintf(stderr, "pages in use (all layers, pool %d per layer): %s keep %.0f%% excerpt %zu: %s\n",
-                                 ref.prefilled.num_pages(), methods[i].name.c_str(), 100 * opt.fractions[f], p, line.c_str());
+                    std::fprintf(stderr, "pages in use (all layers, pool %d per layer): %s keep %s excerpt %zu: %s\n",
+                                 ref.prefilled.num_pages(), methods[i].name.c_str(), opt.budgets[f].label().c_str(), p, line.c_str());
                 }
                 if (dump) {
-                    std::fprintf(dump, "kl\t%s\t%.17g\t%zu\t%.17g\n", methods[i].name.c_str(), opt.fractions[f], p, mt.kl);
+                    std::fprintf(dump, "kl\t%s\t%.17g\t%zu\t%.17g\n", methods[i].name.c_str(), opt.budgets[f].nominal_fraction(opt.prompt_tokens), p, mt.kl);
                     for (int l = 0; l < c.n_layers; ++l)
                         for (int h = 0; h < c.n_kv_heads; ++h) {
-                            std::fprintf(dump, "kept\t%s\t%.17g\t%zu\t%d\t%d\t", methods[i].name.c_str(), opt.fractions[f], p, l, h);
+                            std::fprintf(dump, "kept\t%s\t%.17g\t%zu\t%d\t%d\t", methods[i].name.c_str(),
+                                         opt.budgets[f].nominal_fraction(opt.prompt_tokens), p, l, h);
                             dump_ints(kept[size_t(l)][size_t(h)]);
                         }
                 }
             }
     }
     if (dump) std::fclose(dump);
+    if (wp) std::fclose(wp);
 
     // aggregate, print, write
     std::filesystem::create_directories(opt.out_dir);
@@ -552,14 +729,17 @@ int main(int argc, char** argv) {
     csv << "method,keep_fraction,prompts,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean";
     for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_l" << l;
     for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_wo_l" << l;
-    csv << ",kv_bytes,kv_bytes_full,kl_se,top1_se,match_se,oerr_wo_se\n";
+    csv << ",kv_bytes,kv_bytes_full,kl_se,top1_se,match_se,oerr_wo_se,budget_tokens,oerr_wo_prop_mean";
+    for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_wo_prop_l" << l;
+    csv << "\n";
     pp << "method,keep_fraction,prompt,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean,kv_bytes\n";
     std::printf("\n%-13s %5s %9s %8s %6s %6s %8s %8s %8s %9s %6s\n", "method", "keep", "KL", "+-se", "top1", "match", "oerr", "oerr_WO", "oerr_pr", "KV KiB", "kept");
     std::printf("%-13s %5s %9s %8s %6s %6s %8s %8s %8s %9s %6s\n", "", "", "(nats)", "", "", "(tok)", "(iso)", "(iso)", "(prop)", "", "");
     std::map<std::string, std::vector<std::vector<double>>> layer_err;  // name -> fraction -> per layer
     int rows = 0;
     for (size_t i = 0; i < methods.size(); ++i) {
-        for (size_t f = 0; f < opt.fractions.size(); ++f) {
+        for (size_t f = 0; f < opt.budgets.size(); ++f) {
+            const double kf = opt.budgets[f].nominal_fraction(opt.prompt_tokens);
             const auto& v = res[i][f];
             if (v.size() != prompts.size()) { ok = false; continue; }
             metrics a;
@@ -573,27 +753,36 @@ int main(int argc, char** argv) {
             const double kl_se = std_error(kl_p), top1_se = std_error(top1_p), match_se = std_error(match_p), oerr_wo_se = std_error(oerr_wo_p);
             a.oerr.assign(size_t(c.n_layers), 0.0);
             a.oerr_wo.assign(size_t(c.n_layers), 0.0);
+            a.oerr_wo_prop.assign(size_t(c.n_layers), 0.0);
             const double n = double(v.size());
             for (size_t p = 0; p < v.size(); ++p) {
                 const metrics& x = v[p];
                 a.kl += x.kl / n; a.top1 += x.top1 / n; a.match += x.match / n; a.kv_bytes += x.kv_bytes / n; a.oerr_prop += x.oerr_prop / n;
-                for (int l = 0; l < c.n_layers; ++l) { a.oerr[size_t(l)] += x.oerr[size_t(l)] / n; a.oerr_wo[size_t(l)] += x.oerr_wo[size_t(l)] / n; }
-                pp << methods[i].name << ',' << opt.fractions[f] << ',' << p << ',' << x.kl << ',' << x.top1 << ',' << x.match << ','
+                for (int l = 0; l < c.n_layers; ++l) {
+                    a.oerr[size_t(l)] += x.oerr[size_t(l)] / n;
+                    a.oerr_wo[size_t(l)] += x.oerr_wo[size_t(l)] / n;
+                    a.oerr_wo_prop[size_t(l)] += x.oerr_wo_prop[size_t(l)] / n;
+                }
+                pp << methods[i].name << ',' << kf << ',' << p << ',' << x.kl << ',' << x.top1 << ',' << x.match << ','
                    << mean(x.oerr) << ',' << mean(x.oerr_wo) << ',' << x.oerr_prop << ',' << x.kv_bytes << '\n';
             }
             std::vector<double> all{a.kl, a.top1, a.match, a.kv_bytes, a.oerr_prop};
             all.insert(all.end(), a.oerr.begin(), a.oerr.end());
             all.insert(all.end(), a.oerr_wo.begin(), a.oerr_wo.end());
             all.insert(all.end(), {kl_se, top1_se, match_se, oerr_wo_se});
+            all.insert(all.end(), a.oerr_wo_prop.begin(), a.oerr_wo_prop.end());
             for (double x : all)
                 if (!is_finite(x)) ok = false;
             layer_err[methods[i].name].push_back(a.oerr);
-            csv << methods[i].name << ',' << opt.fractions[f] << ',' << v.size() << ',' << a.kl << ',' << a.top1 << ',' << a.match << ','
+            csv << methods[i].name << ',' << kf << ',' << v.size() << ',' << a.kl << ',' << a.top1 << ',' << a.match << ','
                 << mean(a.oerr) << ',' << mean(a.oerr_wo) << ',' << a.oerr_prop;
             for (double x : a.oerr) csv << ',' << x;
             for (double x : a.oerr_wo) csv << ',' << x;
-            csv << ',' << a.kv_bytes << ',' << full_bytes << ',' << kl_se << ',' << top1_se << ',' << match_se << ',' << oerr_wo_se << '\n';
-            std::printf("%-13s %4.0f%% %9.5f %8.5f %6.3f %6.1f %8.4f %8.4f %8.4f %9.1f %5.1f%%\n", methods[i].name.c_str(), 100 * opt.fractions[f], a.kl,
+            csv << ',' << a.kv_bytes << ',' << full_bytes << ',' << kl_se << ',' << top1_se << ',' << match_se << ',' << oerr_wo_se << ','
+                << opt.budgets[f].tokens << ',' << mean(a.oerr_wo_prop);
+            for (double x : a.oerr_wo_prop) csv << ',' << x;
+            csv << '\n';
+            std::printf("%-13s %5s %9.5f %8.5f %6.3f %6.1f %8.4f %8.4f %8.4f %9.1f %5.1f%%\n", methods[i].name.c_str(), opt.budgets[f].label().c_str(), a.kl,
                         kl_se, a.top1, a.match, mean(a.oerr), mean(a.oerr_wo), a.oerr_prop, a.kv_bytes / 1024.0, 100.0 * a.kv_bytes / full_bytes);
             ++rows;
         }
@@ -614,11 +803,11 @@ int main(int argc, char** argv) {
     if (ir >= 0 && is >= 0) {
         std::printf("\nper-layer oerr (isolated), ReST-KV / SnapKV%s; wins = (prompt, layer) pairs where ReST-KV's error is lower:\n",
                     io >= 0 ? " / Oracle-W" : "");
-        for (size_t f = 0; f < opt.fractions.size(); ++f) {
+        for (size_t f = 0; f < opt.budgets.size(); ++f) {
             const auto& R = res[size_t(ir)][f];
             const auto& S = res[size_t(is)][f];
             if (R.size() != prompts.size() || S.size() != prompts.size()) continue;
-            std::printf("keep %3.0f%%:", 100 * opt.fractions[f]);
+            std::printf("keep %4s:", opt.budgets[f].label().c_str());
             int wins = 0, pairs = 0;
             for (int l = 0; l < c.n_layers; ++l) {
                 double r = 0, s = 0, o = 0;
@@ -652,7 +841,7 @@ int main(int argc, char** argv) {
         std::printf("\npaired KL differences over the %zu excerpts (d = row - other, +-se; * = beyond noise: |d / se| > %.3f, the "
                     "two-sided 95%% t with %zu df):\n",
                     prompts.size(), tc, prompts.size() - 1);
-        for (size_t f = 0; f < opt.fractions.size(); ++f) {
+        for (size_t f = 0; f < opt.budgets.size(); ++f) {
             int best = -1;
             double best_kl = 0;
             for (size_t i = 0; i < methods.size(); ++i) {
@@ -662,7 +851,7 @@ int main(int argc, char** argv) {
                 if (best < 0 || k < best_kl) { best = int(i); best_kl = k; }
             }
             if (best < 0) continue;
-            std::printf("keep %3.0f%%, against the best row %s:", 100 * opt.fractions[f], methods[size_t(best)].name.c_str());
+            std::printf("keep %4s, against the best row %s:", opt.budgets[f].label().c_str(), methods[size_t(best)].name.c_str());
             int tied = 0;
             for (size_t i = 0; i < methods.size(); ++i) {
                 if (int(i) == best || is_reference(methods[i].name) || !complete(int(i), f)) continue;
@@ -680,17 +869,17 @@ int main(int argc, char** argv) {
             const int a = row_of(cl.first), b = row_of(cl.second);
             if (a < 0 || b < 0) continue;
             std::printf("%s - %s:", cl.first, cl.second);
-            for (size_t f = 0; f < opt.fractions.size(); ++f) {
+            for (size_t f = 0; f < opt.budgets.size(); ++f) {
                 if (!complete(a, f) || !complete(b, f)) continue;
                 double d, se;
                 paired(a, b, f, d, se);
                 const bool beyond = se > 0 ? std::fabs(d) / se > tc : d != 0;
-                std::printf("  %.0f%% %+.5f+-%.5f%s", 100 * opt.fractions[f], d, se, beyond ? "*" : "");
+                std::printf("  %s %+.5f+-%.5f%s", opt.budgets[f].label().c_str(), d, se, beyond ? "*" : "");
             }
             std::printf("\n");
         }
     }
-    const int expected = int(methods.size() * opt.fractions.size());
+    const int expected = int(methods.size() * opt.budgets.size());
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("self-check (unevicted cache, isolated attention vs forward()): max rel err %.2e\n", self_check);
     std::printf("rows %d / %d; wrote %s and %s; %.1f s\n", rows, expected, csv_path.c_str(), pp_path.c_str(), secs);
