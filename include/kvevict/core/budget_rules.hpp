@@ -70,5 +70,28 @@ KVEVICT_HOST_DEVICE inline head_plan plan_head(const budget_request& req, const 
   return h;
 }
 
+/// plan_head for a head whose first `prefix` tokens are protected besides the selector's sinks (a
+/// paged cache's pages.protected_prefix: a shared prefix is never evicted): the sinks become
+/// max(num_sink, prefix) (at most L), and a budget below them plus the protected recent tokens is
+/// raised to them (a token budget too; a fraction already is). prefix <= num_sink: plan_head itself.
+template <class Protection>
+KVEVICT_HOST_DEVICE inline head_plan plan_head_protected(const budget_request& req, const Protection& sp, std::int64_t length,
+                                                         std::int64_t window, std::int64_t prefix) {
+  if (prefix <= sp.num_sink) return plan_head(req, sp, length, window);
+  Protection q = sp;
+  q.num_sink = static_cast<decltype(q.num_sink)>(prefix < length ? prefix : length);
+  head_plan h = plan_head(req, q, length, window);
+  const std::int64_t fixed_recent = q.recent_share >= 0.0f ? 0 : (q.num_recent >= 0 ? q.num_recent : window);
+  std::int64_t need = q.num_sink + fixed_recent;
+  if (need > length) need = length;
+  if (h.base_budget < need) {
+    budget_request r = req;
+    r.keep_tokens = static_cast<decltype(r.keep_tokens)>(need);
+    r.keep_fraction = 0.0;
+    h = plan_head(r, q, length, window);
+  }
+  return h;
+}
+
 }  // namespace detail
 }  // namespace kvevict

@@ -39,7 +39,8 @@ namespace kvevict {
 ///                 appear in several rows, never as a non-prefix page of any row; compaction
 ///                 (cpu::compact_paged) never moves, drops or frees them, and refuses a selection
 ///                 that drops a prefix token. At most every head's length. The evictor keeps them
-///                 when num_sink (or the budget's protected tokens) covers the prefix.
+///                 as sinks (every head of b protects max(num_sink, prefix) first tokens; a budget
+///                 below them is raised: detail::plan_head_protected).
 ///
 /// A token-slot table (SGLang's req_to_token, llama.cpp's cells) is the same view with page size
 /// 1: indices are the slot ids of each sequence's tokens in logical order.

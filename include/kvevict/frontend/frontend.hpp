@@ -223,10 +223,14 @@ struct frontend {
     return {};
   }
 
-  /// The head plan of row (b, KV head hkv) with L valid tokens (docs/semantics.md).
+  /// The head plan of a row of sequence b with L valid tokens (docs/semantics.md); a paged
+  /// cache's pages.protected_prefix[b] tokens are protected as sinks (plan_head_protected; host
+  /// memory: the CUDA driver plans on the device and never calls this with a prefix).
   template <class T>
-  static head_plan row_plan(const layer_inputs<T>& in, const params_type& p, const budget_request& budget, std::int64_t L) {
-    return plan_head(budget, p.selector, L, in.window());
+  static head_plan row_plan(const layer_inputs<T>& in, const params_type& p, const budget_request& budget, std::int64_t L,
+                            std::int64_t b) {
+    const std::int64_t prefix = in.paged() ? in.pages.prefix(b) : 0;
+    return plan_head_protected(budget, p.selector, L, in.window(), prefix);
   }
 
   /// The budget rules of one sequence b: for its H = out_heads rows (row h covers KV head
@@ -242,7 +246,7 @@ struct frontend {
                                  const typename layer_scratch_of<Budgeter>::type& ls) {
     const std::int64_t Gout = H / in.kv_heads();
     for (std::int64_t h = 0; h < H; ++h) {
-      plans[h] = row_plan(in, p, budget, len(b, h / Gout));
+      plans[h] = row_plan(in, p, budget, len(b, h / Gout), b);
       initial_row_budget<Budgeter>(p.budgeter, plans[h], in.layer_idx, in.num_layers, Scorer::has_scores, budgets + h, need + h);
     }
     if constexpr (kind == budget_kind::whole_layer) {
@@ -289,7 +293,9 @@ struct frontend {
   static std::int64_t kept_upper_bound(const layer_inputs<T>& in, const params_type& p, const budget_request& budget) {
     const std::int64_t S = in.capacity();
     std::int64_t B = plan_head(budget, p.selector, S, in.window()).base_budget;
-    if constexpr (kind == budget_kind::whole_layer) {
+    if (in.paged() && in.pages.protected_prefix) {  // a protected prefix raises budgets (unknown to the host)
+      B = S;
+    } else if constexpr (kind == budget_kind::whole_layer) {
       B = S;
     } else if constexpr (kind == budget_kind::per_head) {
       B = max_head_budget(p.budgeter, B);

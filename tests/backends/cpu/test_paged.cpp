@@ -319,3 +319,66 @@ TEST_CASE("paged: a left-padded batch through a token-slot table (docs/integrati
   check(std::common_type<kv::presets::restkv>{});
   check(std::common_type<kv::presets::adakv>{});
 }
+
+namespace {
+
+/// A paged copy with a protected prefix of P tokens in every sequence: the evictor keeps them as
+/// sinks (plan_head_protected), exactly as the contiguous view with selector.num_sink = P when the
+/// budget already holds them, and raises a smaller token budget to them.
+template <class Policy>
+void check_protected_prefix(const char* name, const kvtest::stored<float>& st, typename Policy::params params, std::int32_t P,
+                            long& rows_checked) {
+  kvtest::paged_copy<float> pg;
+  kvtest::make_paged(st.in, 16, kvtest::pool_layout::hnd, false, false, 41, pg, true);
+  std::vector<std::int32_t> prefix(static_cast<std::size_t>(st.in.batch()), P);
+  pg.in.pages.protected_prefix = prefix.data();
+  kv::evictor<Policy, kv::cpu::backend> paged_ev(params);
+  auto ref_params = params;
+  ref_params.selector.num_sink = P;
+  kv::evictor<Policy, kv::cpu::backend> ref_ev(ref_params);
+  for (double f : {0.3, 0.6}) {
+    INFO(std::string(name) << " prefix " << P << " keep " << f);
+    const auto a = kvtest::run_lib(ref_ev, st.in, kv::budget_request::fraction(f));
+    const auto b = kvtest::run_lib(paged_ev, pg.in, kv::budget_request::fraction(f));
+    REQUIRE_MESSAGE(a.st.ok(), std::string(a.st.message()));
+    REQUIRE_MESSAGE(b.st.ok(), std::string(b.st.message()));
+    CHECK(a.indptr == b.indptr);
+    CHECK(a.indices == b.indices);
+    // every row keeps [0, P)
+    for (std::int64_t r = 0; r < b.rows; ++r) {
+      const std::int32_t beg = b.indptr[static_cast<std::size_t>(r)], end = b.indptr[static_cast<std::size_t>(r) + 1];
+      bool keeps = end - beg >= P;
+      for (std::int32_t i = 0; keeps && i < P; ++i) keeps = b.indices[static_cast<std::size_t>(beg + i)] == i;
+      CHECK(keeps);
+      ++rows_checked;
+    }
+  }
+  // a token budget below the prefix and the window: raised to them (the contiguous view refuses it)
+  const std::int64_t window = st.in.window();
+  const auto small = kv::budget_request::tokens(std::max<std::int32_t>(1, P / 2) + static_cast<std::int32_t>(window));
+  const auto c = kvtest::run_lib(paged_ev, pg.in, small);
+  REQUIRE_MESSAGE(c.st.ok(), std::string(c.st.message()));
+  for (std::int64_t r = 0; r < c.rows; ++r) {
+    const std::int32_t beg = c.indptr[static_cast<std::size_t>(r)], end = c.indptr[static_cast<std::size_t>(r) + 1];
+    CHECK(end - beg >= P);
+    for (std::int32_t i = 0; i < P && beg + i < end; ++i) CHECK(c.indices[static_cast<std::size_t>(beg + i)] == i);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("paged: the protected prefix (pages.protected_prefix) is kept by the evictor, as sinks") {
+  kvtest::shape sh;
+  sh.batch = 2, sh.kv_heads = 2, sh.group = 2, sh.cap = 150, sh.d = 16, sh.window = 8, sh.hidden = 32;
+  kvtest::problem p = kvtest::make_problem(sh, 977, 1.0, 1.5, 1.0, {150, 150, 120, 120});
+  kvtest::stored<float> st;
+  kvtest::store(p, kvtest::layout::hnd, st);
+  long rows = 0;
+  for (std::int32_t P : {16, 32}) {  // whole pages: shared prefix pages
+    check_protected_prefix<kv::presets::snapkv>("snapkv", st, kv::presets::snapkv::defaults(), P, rows);
+    check_protected_prefix<kv::presets::adakv>("adakv", st, kv::presets::adakv::defaults(), P, rows);
+    check_protected_prefix<kv::presets::restkv>("restkv", st, kv::presets::restkv::defaults(), P, rows);
+    check_protected_prefix<kv::presets::pyramidkv>("pyramidkv", st, kv::presets::pyramidkv::defaults(), P, rows);
+  }
+  CHECK(rows > 50);
+}

@@ -2047,6 +2047,36 @@ TEST_CASE("cuda: paged views give the contiguous view's selections and scores, e
   CHECK(ps.runs > 300);
 }
 
+TEST_CASE("cuda: a protected prefix (pages.protected_prefix) is kept as sinks, as the contiguous view with num_sink = prefix") {
+  auto c = make_case<float>(615, 2, 2, 2, 128, 8, 64, kv::kv_layout::hnd, false);
+  c.lens = {128, 77};
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  kvtest::paged_copy<float> pc;
+  kvtest::make_paged(hin, 16, kvtest::pool_layout::nhd, false, false, 9, pc, true);
+  pc.in.pages.max_pages_per_row = c.S / 16;  // capacity S: the same key splits as the contiguous view
+  const std::vector<std::int32_t> prefix = {32, 32};
+  dbuf<std::int32_t> dprefix(prefix);
+  auto run = [&](auto tag) {
+    using P = decltype(tag);
+    for (double f : {0.3, 0.6}) {
+      CAPTURE(f);
+      auto ref = P::defaults();
+      ref.selector.num_sink = 32;
+      const auto want = gpu_run<P>(c, ref, kv::budget_request::fraction(f));
+      device_paged<float> dp(pc, c);
+      dp.in.pages.protected_prefix = dprefix.p;
+      const auto got = gpu_run_inputs<P>(dp.in, nullptr, P::defaults(), kv::budget_request::fraction(f));
+      REQUIRE_MESSAGE(got.st.ok(), got.st.message());
+      CHECK_MESSAGE(got.dev.ok(), got.dev.message());
+      CHECK(got.indptr == want.indptr);
+      CHECK(got.indices == want.indices);
+      CHECK(got.capacity >= want.indptr.back());
+    }
+  };
+  run(kv::presets::snapkv{});
+  run(kv::presets::adakv{});
+}
+
 TEST_CASE("cuda: bad page tables and NaN in a used page land in the device status word") {
   using P = kv::presets::snapkv;
   auto c = make_case<float>(610, 2, 2, 1, 64, 8, 8, kv::kv_layout::hnd, false);

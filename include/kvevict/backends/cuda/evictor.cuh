@@ -102,7 +102,10 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     rq.lengths = (in.lengths.data || in.paged()) ? opt.host_lengths : nullptr;
     rq.lengths_stride[0] = in.kv_heads();
     rq.lengths_stride[1] = 1;
-    rq.lengths_known = in.paged() ? opt.host_lengths != nullptr : (in.lengths.data == nullptr || opt.host_lengths != nullptr);
+    // A protected prefix (device memory) changes the budgets: the host bounds them by the capacity.
+    const bool prefix_on_device = in.paged() && in.pages.protected_prefix != nullptr;
+    rq.lengths_known = prefix_on_device ? false
+                                        : (in.paged() ? opt.host_lengths != nullptr : (in.lengths.data == nullptr || opt.host_lengths != nullptr));
     rq.host_budgets = budgeter_i::host_budgets;
     rq.num_threads = 1;
     return front::make_plan(
@@ -281,7 +284,7 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     ps.num_layers = sh.num_layers;
     ps.layer_mean = layer_mean;
     plan_kernel<Budgeter, budgeter_i, has_scores, typename Selector::params><<<B, T256, 0, st>>>(
-        lens, ps, pl.budget, p_.selector, p_.budgeter, bf.status, bf.len_kv, bf.plankv, bf.needkv, bf.plans, bf.budgets, bf.need,
+        lens, in.paged() ? in.pages.protected_prefix : nullptr, ps, pl.budget, p_.selector, p_.budgeter, bf.status, bf.len_kv, bf.plankv, bf.needkv, bf.plans, bf.budgets, bf.need,
         bf.bu);
     KVEVICT_CUDA_CHECK_LAUNCH();
     if (p_.check_finite && in.paged()) {

@@ -202,9 +202,11 @@ KVEVICT_HOST_DEVICE void lkv_sequence_budgets(Team& tm, typename Budgeter::slice
 /// BudgeterImpl::sequence_budgets, called by the whole block after the sequence's plans are
 /// written (it synchronises the block before reading them; budgeters::headwise_learned: lkv_sequence_budgets below, budgets bit-identical to the
 /// CPU's; its scratch `bs` comes from the workspace). Protection: the selector's parameters
-/// (num_sink, num_recent, recent_share).
+/// (num_sink, num_recent, recent_share). prefix: a paged cache's pages.protected_prefix (device,
+/// [B], validated by the table check) or null: sequence b's first prefix[b] tokens are protected
+/// as sinks (plan_head_protected).
 template <class Budgeter, class BudgeterImpl, bool HasScores, class Protection>
-__global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req, Protection sp, typename Budgeter::params bp,
+__global__ void plan_kernel(lengths_view lens, const std::int32_t* prefix, plan_shape sh, budget_request req, Protection sp, typename Budgeter::params bp,
                             device_status* st, std::int32_t* len_kv, head_plan* plankv, std::uint8_t* needkv, head_plan* plans,
                             std::int64_t* budgets, std::uint8_t* need, typename BudgeterImpl::scratch bs) {
   using kvevict::detail::budget_kind;
@@ -218,7 +220,7 @@ __global__ void plan_kernel(lengths_view lens, plan_shape sh, budget_request req
       L = L < 0 ? 0 : sh.S;
     }
     len_kv[b * sh.Hkv + h] = static_cast<std::int32_t>(L);
-    plankv[b * sh.Hkv + h] = kvevict::detail::plan_head(req, sp, L, sh.W);
+    plankv[b * sh.Hkv + h] = kvevict::detail::plan_head_protected(req, sp, L, sh.W, prefix ? prefix[b] : 0);
   }
   __syncthreads();
   if (sh.layer_mean && threadIdx.x == 0) {
