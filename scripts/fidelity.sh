@@ -25,8 +25,16 @@ args=()
 for a in "$@"; do
   if [[ $a == --update-docs ]]; then update_docs=1; else args+=("$a"); fi
   if [[ $a == --smoke ]]; then smoke=1; fi
-  if [[ $a == --text ]]; then own_text=1; fi
+  if [[ $a == --text || $a == --prompt-file ]]; then own_text=1; fi
+  if [[ $a == --out ]]; then
+    echo "error: scripts/fidelity.sh picks the report folder (KVEVICT_FIDELITY_OUT=DIR); no --out" >&2
+    exit 2
+  fi
 done
+if [[ $own_text == 1 && $update_docs == 1 ]]; then
+  echo "error: --update-docs copies the two-text report into docs/; a run on --text / --prompt-file is not one" >&2
+  exit 2
+fi
 if [[ $smoke == 1 && $update_docs == 1 ]]; then
   echo "error: --update-docs copies a full report into docs/; a --smoke run is not one (run without --smoke)" >&2
   exit 2
@@ -39,7 +47,8 @@ if [[ $smoke == 1 ]]; then stem=fidelity_smoke; fi
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=OFF -DKVEVICT_BUILD_TESTS=OFF \
   -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_EXAMPLES=ON -DKVEVICT_BUILD_PYTHON=OFF >/dev/null
 cmake --build "$build" -j"${JOBS:-2}" --target kvevict_fidelity
-# report DIR TITLE [extra flags]: run, table, plot into DIR
+# report DIR TITLE [extra flags]: run, table, plot into DIR. Returns 10 when kvevict_fidelity skipped (model
+# or text missing, it said why); any error exits the script with its status.
 report() {
   local dir=$1 title=$2
   shift 2
@@ -51,23 +60,25 @@ report() {
     exit "$rc"  # an error or an incomplete table (kvevict_fidelity said why): the job fails
   fi
   if [[ ! -s $dir/$stem.csv ]]; then
-    return 1  # skipped (model or text missing): kvevict_fidelity said why
+    return 10
   fi
   if /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
-    /usr/bin/python3 "$root/examples/fidelity/plot.py" "$dir/$stem.csv" "$dir/${stem}_kl.png" "$title"
+    /usr/bin/python3 "$root/examples/fidelity/plot.py" "$dir/$stem.csv" "$dir/${stem}_kl.png" "$title" || exit $?
   else
     echo "warning: /usr/bin/python3 with matplotlib not found; no plot" >&2
   fi
 }
 if [[ $own_text == 1 ]]; then
-  report "$out" "the given text" || true
+  report "$out" "the given text" || true  # 10: skipped
   exit 0
 fi
-report "$out" "Sherlock Holmes" || exit 0
+report "$out" "Sherlock Holmes" || exit 0  # 10: skipped (errors have exited already)
 kjv=0
 if "$root/scripts/kjv_text.sh" "$build/kjv.txt"; then
   echo
-  report "$out/kjv" "King James Bible" --text "$build/kjv.txt" && kjv=1
+  rc=0
+  report "$out/kjv" "King James Bible" --text "$build/kjv.txt" || rc=$?
+  [[ $rc == 0 ]] && kjv=1
 else
   echo "warning: no King James Bible text (scripts/kjv_text.sh failed: scripts/setup.sh main installs bible-kjv); Sherlock report only" >&2
 fi

@@ -170,8 +170,9 @@ result make_prompts(const tokenizer& tok, const std::string& text, int n, int to
 
 /// Prompts from a token-id file: one per line, "id id ... [| id id ...]" (the part after '|' is the
 /// continuation to teacher-force); blank lines and lines starting with '#' are skipped. Every line has a
-/// continuation or none does. Errors name the line: an id outside [0, vocab), a prompt shorter than 2
-/// tokens, a mix of lines with and without a continuation.
+/// continuation or none does, and every prompt has the same length (the table's kept share and the
+/// CSV's keep_fraction are per prompt length). Errors name the line: an id outside [0, vocab), a prompt
+/// shorter than 2 tokens or of another length than the first, a mix of lines with and without a continuation.
 result read_prompt_file(const std::string& path, int vocab, std::vector<std::vector<int>>& prompts, std::vector<std::vector<int>>& conts) {
     std::ifstream f(path);
     if (!f) return result::failure("cannot read --prompt-file " + path);
@@ -197,6 +198,9 @@ result read_prompt_file(const std::string& path, int vocab, std::vector<std::vec
             }
         }
         if (parts[0].size() < 2) return result::failure(path + ":" + std::to_string(no) + ": a prompt needs at least 2 token ids");
+        if (!prompts.empty() && parts[0].size() != prompts[0].size())
+            return result::failure(path + ":" + std::to_string(no) + ": a prompt of " + std::to_string(parts[0].size()) +
+                                   " tokens; the first has " + std::to_string(prompts[0].size()) + " (every prompt has the same length)");
         if (bar != std::string::npos && parts[1].empty()) return result::failure(path + ":" + std::to_string(no) + ": empty continuation after '|'");
         with += bar != std::string::npos ? 1 : 0;
         prompts.push_back(std::move(parts[0]));

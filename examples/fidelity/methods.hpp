@@ -49,6 +49,14 @@ inline std::vector<registered_method> builtin_methods() {
     v.push_back({10, policy_method<presets::snapkv>("SnapKV")});
     v.push_back({20, policy_method<presets::pyramidkv>("PyramidKV")});
     v.push_back({30, policy_method<presets::adakv>("AdaKV")});
+    {  // AdaKV as its authors run it: window 32, max-pool kernel 7, alpha 0.2 (GQA-native here: mean over
+       // the group; the per-query-head form on a cache repeated to q_heads needs issue 16 item 2)
+        using adakv_mp7 = eviction_policy<scorers::attention_weight, temporal::sum, spatial::max_pool, budgeters::adakv>;
+        auto p = adakv_mp7::defaults();
+        p.spatial.kernel = 7;
+        p.budgeter.alpha = 0.2f;
+        v.push_back({31, policy_method<adakv_mp7>("AdaKV-mp7", p)});
+    }
     v.push_back({40, policy_method<presets::h2o>("H2O", presets::h2o::defaults(), -1)});
     v.push_back({50, policy_method<presets::tova>("TOVA")});
     v.push_back({60, policy_method<presets::streaming_llm>("StreamingLLM", presets::streaming_llm::defaults(), 0)});

@@ -82,8 +82,9 @@ inline void oracle_keep_head(const float* K, const float* V, int L, int d, const
                     err += diff * diff;
                 }
             }
-            if (err < best_err) { best_err = err; best = n; }
+            if (err < best_err || best < 0) { best_err = err; best = n; }  // a NaN error still removes some token
         }
+        if (best < 0) break;
         alive[size_t(best)] = 0;
         const float* v = V + size_t(best) * size_t(d);
         for (int g = 0; g < G; ++g) {
@@ -121,7 +122,10 @@ inline void window_oracle_keep_head(const float* K, const float* V, int L, int d
     }
     const double scale = 1.0 / std::sqrt(double(d));
     const size_t D = size_t(d), GW = size_t(G) * size_t(w);
-    std::vector<double> e(GW * size_t(C)), S(GW), RN(GW * D), Ro(GW * D), Rv(size_t(G) * size_t(C) * D), N(D), lg(static_cast<size_t>(L));
+    // S = Sw + Sc: the window's own mass Sw (never removed, > 0) apart from the candidates' Sc, so that a
+    // denominator Sw + (Sc - e_n) cannot cancel to 0 when one candidate holds nearly all the attention.
+    std::vector<double> e(GW * size_t(C)), Sw(GW), Sc(GW), RN(GW * D), Ro(GW * D), Rv(size_t(G) * size_t(C) * D), N(D),
+        lg(static_cast<size_t>(L));
     auto Rmul = [&](int g, const double* x, double* y) {  // y = R_g x
         const float* Rg = R + size_t(g) * D * D;
         for (int i = 0; i < d; ++i) {
@@ -146,16 +150,22 @@ inline void window_oracle_keep_head(const float* K, const float* V, int L, int d
                 lg[size_t(n)] = sdot * scale;
                 mx = std::max(mx, lg[size_t(n)]);
             }
-            double sum = 0;
+            double sw = 0, sc = 0;
             std::fill(N.begin(), N.end(), 0.0);
             const size_t gj = size_t(g) * size_t(w) + size_t(j);
             for (int n = 0; n < vis; ++n) {
                 const double en = std::exp(lg[size_t(n)] - mx);
-                if (n < C) e[gj * size_t(C) + size_t(n)] = en;
-                sum += en;
+                if (n < C) {
+                    e[gj * size_t(C) + size_t(n)] = en;
+                    sc += en;
+                } else {
+                    sw += en;
+                }
                 for (int c = 0; c < d; ++c) N[size_t(c)] += en * V[size_t(n) * D + size_t(c)];
             }
-            S[gj] = sum;
+            Sw[gj] = sw;
+            Sc[gj] = sc;
+            const double sum = sw + sc;
             Rmul(g, N.data(), &RN[gj * D]);
             for (int c = 0; c < d; ++c) x[size_t(c)] = N[size_t(c)] / sum;
             Rmul(g, x.data(), &Ro[gj * D]);
@@ -173,7 +183,8 @@ inline void window_oracle_keep_head(const float* K, const float* V, int L, int d
                 for (int j = 0; j < w; ++j) {
                     const size_t gj = size_t(g) * size_t(w) + size_t(j);
                     const double en = e[gj * size_t(C) + size_t(n)];
-                    const double inv = 1.0 / (S[gj] - en);  // > 0: the window's own slots stay
+                    const double rest = Sc[gj] - en;
+                    const double inv = 1.0 / (Sw[gj] + (rest > 0 ? rest : 0.0));  // Sw > 0: the window's own slots stay
                     const double* rn = &RN[gj * D];
                     const double* ro = &Ro[gj * D];
                     for (int c = 0; c < d; ++c) {
@@ -182,15 +193,16 @@ inline void window_oracle_keep_head(const float* K, const float* V, int L, int d
                     }
                 }
             }
-            if (err < best_err) { best_err = err; best = n; }
+            if (err < best_err || best < 0) { best_err = err; best = n; }  // a NaN error still removes some token
         }
+        if (best < 0) break;  // no candidate left (cannot happen while left > budget >= w)
         alive[size_t(best)] = 0;
         for (int g = 0; g < G; ++g) {
             const double* rv = &Rv[(size_t(g) * size_t(C) + size_t(best)) * D];
             for (int j = 0; j < w; ++j) {
                 const size_t gj = size_t(g) * size_t(w) + size_t(j);
                 const double en = e[gj * size_t(C) + size_t(best)];
-                S[gj] -= en;
+                Sc[gj] -= en;
                 for (int c = 0; c < d; ++c) RN[gj * D + size_t(c)] -= en * rv[c];
             }
         }

@@ -3,7 +3,8 @@
 //  - the composition's static checks (which stages work together), in one place;
 //  - input validation (parameters, shapes, budget, lengths) with the documented messages;
 //  - the budget rules: per-row head plans, the budgets that need no scores, the "needs scoring"
-//    flags and the exact kept count (so max_selected is the same number on every backend);
+//    flags and the exact kept count (so max_selected is the same number on every backend where
+//    the host can read the lengths and the protected prefix);
 //  - the plan's bookkeeping (eviction_plan, frontend/plan.hpp).
 // A backend driver (backends/<backend>/evictor*) adds only what its hardware needs: its
 // implementation traits per stage (backends/<backend>/impl*), its workspace and its launches.

@@ -77,7 +77,9 @@ struct layer_signature {
     s.v[i++] = in.paged() ? 1 : 0;  // the page table's shape (its data is checked by run())
     s.v[i++] = in.paged() ? in.pages.batch : -1;
     s.v[i++] = in.paged() ? in.pages.max_pages_per_row : -1;
-    s.v[i++] = in.paged() ? (in.pages.per_head ? 1 : 0) + (in.pages.last_page_len ? 2 : 0) + (in.pages.indices ? 4 : 0) : -1;
+    s.v[i++] = in.paged() ? (in.pages.per_head ? 1 : 0) + (in.pages.last_page_len ? 2 : 0) + (in.pages.indices ? 4 : 0) +
+                                (in.pages.protected_prefix ? 8 : 0)
+                          : -1;
     return s;
   }
   bool operator==(const layer_signature& o) const {

@@ -353,6 +353,22 @@ void check_protected_prefix(const char* name, const kvtest::stored<float>& st, t
       ++rows_checked;
     }
   }
+  // prefixes that differ per sequence: each sequence's rows keep their own prefix
+  std::vector<std::int32_t> mixed = {P, P / 2};
+  pg.in.pages.protected_prefix = mixed.data();
+  {
+    const auto m = kvtest::run_lib(paged_ev, pg.in, kv::budget_request::fraction(0.3));
+    REQUIRE_MESSAGE(m.st.ok(), std::string(m.st.message()));
+    const std::int64_t H = paged_ev.out_heads(pg.in);
+    for (std::int64_t r = 0; r < m.rows; ++r) {
+      const std::int32_t pre = mixed[static_cast<std::size_t>(r / H)];
+      const std::int32_t beg = m.indptr[static_cast<std::size_t>(r)], end = m.indptr[static_cast<std::size_t>(r) + 1];
+      bool keeps = end - beg >= pre;
+      for (std::int32_t i = 0; keeps && i < pre; ++i) keeps = m.indices[static_cast<std::size_t>(beg + i)] == i;
+      CHECK(keeps);
+    }
+  }
+  pg.in.pages.protected_prefix = prefix.data();
   // a token budget below the prefix and the window: raised to them (the contiguous view refuses it)
   const std::int64_t window = st.in.window();
   const auto small = kv::budget_request::tokens(std::max<std::int32_t>(1, P / 2) + static_cast<std::int32_t>(window));

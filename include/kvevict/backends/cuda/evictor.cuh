@@ -39,7 +39,9 @@ namespace kvevict {
 ///    cuda::device_status), as they do NaN/inf inputs (check_finite) and a selection larger than
 ///    selection.capacity. The device checks run in every run(): the data may change after plan().
 ///  - max_selected is the CPU's exact count when the host knows the lengths (no lengths view,
-///    or plan_options::host_lengths) and the budgets (not LKV-H, whose tables are device memory);
+///    or plan_options::host_lengths) and the budgets (not LKV-H, whose tables are device memory,
+///    nor a paged cache with pages.protected_prefix, device memory that raises budgets: the bound
+///    is then batch * out_heads * capacity and plan() checks no lengths);
 ///    otherwise an upper bound from the shapes (eviction_plan::max_selected_exact = false):
 ///    batch * out_heads * min(seq, per-head bound), the bound being the base budget B (uniform,
 ///    AdaKV), 2B + 1 (PyramidKV's largest layer) or seq (LKV-H). The exact kept count of row r
