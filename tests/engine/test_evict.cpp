@@ -331,6 +331,30 @@ TEST_CASE("random floor: deterministic, keeps the window, differs across layers"
     CHECK(layers_differ);
 }
 
+/// The naive greedy backward elimination both oracle tests compare with: while more than `budget` slots of
+/// `keep` are kept, drop the candidate (a kept slot below `candidates`) whose removal gives the smallest
+/// err(keep) recomputed from scratch (ties: the lower slot). Returns the kept slots, ascending.
+template <class ErrF>
+std::vector<std::int32_t> naive_greedy(std::vector<char>& keep, int candidates, int budget, ErrF&& err) {
+    const int L = int(keep.size());
+    for (int left = L; left > budget; --left) {
+        int best = -1;
+        double be = std::numeric_limits<double>::infinity();
+        for (int n = 0; n < candidates; ++n) {
+            if (!keep[size_t(n)]) continue;
+            keep[size_t(n)] = 0;
+            const double e = err(keep);
+            keep[size_t(n)] = 1;
+            if (e < be) { be = e; best = n; }
+        }
+        keep[size_t(best)] = 0;
+    }
+    std::vector<std::int32_t> out;
+    for (int n = 0; n < L; ++n)
+        if (keep[size_t(n)]) out.push_back(n);
+    return out;
+}
+
 TEST_CASE("oracle-next: incremental greedy equals a naive greedy that recomputes the error from scratch") {
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -371,21 +395,7 @@ TEST_CASE("oracle-next: incremental greedy equals a naive greedy that recomputes
             }
             return e;
         };
-        for (int left = L; left > budget; --left) {
-            int best = -1;
-            double be = std::numeric_limits<double>::infinity();
-            for (int n = 0; n < L; ++n) {
-                if (!keep[size_t(n)]) continue;
-                keep[size_t(n)] = 0;
-                const double e = err(keep);
-                keep[size_t(n)] = 1;
-                if (e < be) { be = e; best = n; }
-            }
-            keep[size_t(best)] = 0;
-        }
-        std::vector<std::int32_t> naive;
-        for (int n = 0; n < L; ++n)
-            if (keep[size_t(n)]) naive.push_back(n);
+        const std::vector<std::int32_t> naive = naive_greedy(keep, L, budget, err);
         CHECK(fast == naive);
         CHECK(int(fast.size()) == budget);
     }
@@ -435,22 +445,8 @@ TEST_CASE("oracle-W: incremental greedy over the window after W_O equals a naive
                 }
             return e;
         };
-        for (int left = L; left > budget; --left) {
-            int best = -1;
-            double be = std::numeric_limits<double>::infinity();
-            for (int n = 0; n < L - w; ++n) {  // the window's slots are kept
-                if (!keep[size_t(n)]) continue;
-                keep[size_t(n)] = 0;
-                const double e = err(keep);
-                keep[size_t(n)] = 1;
-                if (e < be) { be = e; best = n; }
-            }
-            keep[size_t(best)] = 0;
-            ++removed;
-        }
-        std::vector<std::int32_t> naive;
-        for (int n = 0; n < L; ++n)
-            if (keep[size_t(n)]) naive.push_back(n);
+        const std::vector<std::int32_t> naive = naive_greedy(keep, L - w, budget, err);  // the window's slots are kept
+        removed += L - budget;
         CHECK(fast == naive);
         CHECK(int(fast.size()) == budget);
         for (int n = L - w; n < L; ++n) CHECK(std::find(fast.begin(), fast.end(), n) != fast.end());
