@@ -322,6 +322,14 @@ TEST_CASE("paged: a left-padded batch through a token-slot table (docs/integrati
 
 namespace {
 
+/// Row r of a selection keeps slots 0 .. pre - 1 (and maybe more).
+bool keeps_prefix(const kvtest::lib_result& res, std::int64_t r, std::int32_t pre) {
+  const std::int32_t beg = res.indptr[static_cast<std::size_t>(r)], end = res.indptr[static_cast<std::size_t>(r) + 1];
+  bool keeps = end - beg >= pre;
+  for (std::int32_t i = 0; keeps && i < pre; ++i) keeps = res.indices[static_cast<std::size_t>(beg + i)] == i;
+  return keeps;
+}
+
 /// A paged copy with a protected prefix of P tokens in every sequence: the evictor keeps them as
 /// sinks (plan_head_protected), exactly as the contiguous view with selector.num_sink = P when the
 /// budget already holds them, and raises a smaller token budget to them.
@@ -345,13 +353,7 @@ void check_protected_prefix(const char* name, const kvtest::stored<float>& st, t
     CHECK(a.indptr == b.indptr);
     CHECK(a.indices == b.indices);
     // every row keeps [0, P)
-    for (std::int64_t r = 0; r < b.rows; ++r) {
-      const std::int32_t beg = b.indptr[static_cast<std::size_t>(r)], end = b.indptr[static_cast<std::size_t>(r) + 1];
-      bool keeps = end - beg >= P;
-      for (std::int32_t i = 0; keeps && i < P; ++i) keeps = b.indices[static_cast<std::size_t>(beg + i)] == i;
-      CHECK(keeps);
-      ++rows_checked;
-    }
+    for (std::int64_t r = 0; r < b.rows; ++r, ++rows_checked) CHECK(keeps_prefix(b, r, P));
   }
   // prefixes that differ per sequence: each sequence's rows keep their own prefix
   std::vector<std::int32_t> mixed = {P, P / 2};
@@ -360,13 +362,7 @@ void check_protected_prefix(const char* name, const kvtest::stored<float>& st, t
     const auto m = kvtest::run_lib(paged_ev, pg.in, kv::budget_request::fraction(0.3));
     REQUIRE_MESSAGE(m.st.ok(), std::string(m.st.message()));
     const std::int64_t H = paged_ev.out_heads(pg.in);
-    for (std::int64_t r = 0; r < m.rows; ++r) {
-      const std::int32_t pre = mixed[static_cast<std::size_t>(r / H)];
-      const std::int32_t beg = m.indptr[static_cast<std::size_t>(r)], end = m.indptr[static_cast<std::size_t>(r) + 1];
-      bool keeps = end - beg >= pre;
-      for (std::int32_t i = 0; keeps && i < pre; ++i) keeps = m.indices[static_cast<std::size_t>(beg + i)] == i;
-      CHECK(keeps);
-    }
+    for (std::int64_t r = 0; r < m.rows; ++r) CHECK(keeps_prefix(m, r, mixed[static_cast<std::size_t>(r / H)]));
   }
   pg.in.pages.protected_prefix = prefix.data();
   // a token budget below the prefix and the window: raised to them (the contiguous view refuses it)
@@ -374,11 +370,7 @@ void check_protected_prefix(const char* name, const kvtest::stored<float>& st, t
   const auto small = kv::budget_request::tokens(std::max<std::int32_t>(1, P / 2) + static_cast<std::int32_t>(window));
   const auto c = kvtest::run_lib(paged_ev, pg.in, small);
   REQUIRE_MESSAGE(c.st.ok(), std::string(c.st.message()));
-  for (std::int64_t r = 0; r < c.rows; ++r) {
-    const std::int32_t beg = c.indptr[static_cast<std::size_t>(r)], end = c.indptr[static_cast<std::size_t>(r) + 1];
-    CHECK(end - beg >= P);
-    for (std::int32_t i = 0; i < P && beg + i < end; ++i) CHECK(c.indices[static_cast<std::size_t>(beg + i)] == i);
-  }
+  for (std::int64_t r = 0; r < c.rows; ++r) CHECK(keeps_prefix(c, r, P));
 }
 
 }  // namespace
