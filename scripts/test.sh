@@ -8,6 +8,6 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
-cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA="${KVEVICT_ENABLE_CUDA:-ON}"
+cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA="${KVEVICT_ENABLE_CUDA:-ON}" -DKVEVICT_REQUIRE_MPI=ON
 cmake --build "$BUILD_DIR" -j "$JOBS"
 cd "$BUILD_DIR" && ctest --output-on-failure -j "$JOBS"

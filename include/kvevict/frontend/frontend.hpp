@@ -241,25 +241,35 @@ struct frontend {
   /// (a head is scored when it keeps fewer than its length; layer_mean: all heads of a sequence
   /// or none). Host code; len(b, h) as above; ls: the whole-layer budgeter's scratch
   /// (layer_scratch_of; unused by the others). Errors: the whole-layer budgeter's.
+  /// sharded: the layer's heads are split over ranks (run_sharded): the whole-layer allocation
+  /// is left to the caller (it needs every rank's plans), which then calls need_flags.
   template <class T, class LenF>
   static status sequence_budgets(const layer_inputs<T>& in, const params_type& p, const budget_request& budget, std::int64_t b,
                                  std::int64_t H, LenF len, head_plan* plans, std::int64_t* budgets, std::uint8_t* need,
-                                 const typename layer_scratch_of<Budgeter>::type& ls) {
+                                 const typename layer_scratch_of<Budgeter>::type& ls, bool sharded = false) {
     const std::int64_t Gout = H / in.kv_heads();
     for (std::int64_t h = 0; h < H; ++h) {
       plans[h] = row_plan(in, p, budget, len(b, h / Gout), b);
       initial_row_budget<Budgeter>(p.budgeter, plans[h], in.layer_idx, in.num_layers, Scorer::has_scores, budgets + h, need + h);
     }
     if constexpr (kind == budget_kind::whole_layer) {
+      if (sharded) return {};
       KVEVICT_TRY(Budgeter::layer_budgets(p.budgeter, budget, plans, H, in.kv_heads(), in.layer_idx, in.num_layers, budgets, ls));
-      for (std::int64_t h = 0; h < H; ++h) need[h] = Scorer::has_scores && budgets[h] < plans[h].length ? 1 : 0;
     }
+    need_flags(p, plans, budgets, H, need);
+    return {};
+  }
+
+  /// The "needs scoring" flags of a sequence's H rows once whole-layer budgets are set (other
+  /// budgeters: initial_row_budget's), and layer_mean's all-or-none.
+  static void need_flags(const params_type& p, const head_plan* plans, const std::int64_t* budgets, std::int64_t H, std::uint8_t* need) {
+    if constexpr (kind == budget_kind::whole_layer)
+      for (std::int64_t h = 0; h < H; ++h) need[h] = Scorer::has_scores && budgets[h] < plans[h].length ? 1 : 0;
     if (p.gqa == gqa_reduction::layer_mean) {
       std::uint8_t any = 0;
       for (std::int64_t h = 0; h < H; ++h) any |= need[h];
       for (std::int64_t h = 0; h < H; ++h) need[h] = any;
     }
-    return {};
   }
 
   /// Kept tokens of one row: its budget, never more than its length.
@@ -315,6 +325,7 @@ struct frontend {
     int num_threads = 1;        ///< resolved thread count (CPU); stored in the plan
     const void* owner = nullptr;
     std::uint64_t generation = 0;
+    bool sharded = false;  ///< plan_options::sharded (the driver supports it)
   };
 
   /// The plan of one layer, the one sequence of checks for every backend: parameters, shapes and
@@ -343,7 +354,19 @@ struct frontend {
     pl.generation = rq.generation;
     pl.params_fingerprint = bytes_fingerprint(p);
     pl.num_threads = rq.num_threads;
-    if (rq.lengths_known && rq.host_budgets) {
+    pl.sharded = rq.sharded;
+    if (rq.sharded) {
+      if (p.gqa == gqa_reduction::layer_mean)
+        return status::error(errc::not_supported, "gqa = layer_mean averages over all heads of the layer; a sharded layer cannot");
+    }
+    if (rq.sharded && kind != budget_kind::per_head) {
+      // budget moves between ranks: every local row may keep up to its length
+      std::int64_t t = 0;
+      for (std::int64_t b = 0; b < in.batch(); ++b)
+        for (std::int64_t h = 0; h < in.kv_heads(); ++h) t += rq.lengths_known ? len(b, h) : S;
+      pl.max_selected = t * (pl.out_heads / in.kv_heads());
+      pl.max_selected_exact = false;
+    } else if (rq.lengths_known && rq.host_budgets) {
       KVEVICT_TRY(kept_total(in, p, budget, len, &pl.max_selected));
       pl.max_selected_exact = true;
     } else {

@@ -37,6 +37,12 @@ struct plan_options {
   /// the exact max_selected; without it max_selected is an upper bound when lengths are set
   /// (docs/cuda.md). CPU: ignored (lengths are host memory and read directly).
   const std::int32_t* host_lengths = nullptr;
+  /// true: a plan for run_sharded() (kvevict/distributed.hpp, docs/distributed.md): the layer's
+  /// KV heads are split over the ranks of a group, and head-wise budgeters (AdaKV, LKV-H) allocate
+  /// over all of them. max_selected is then an upper bound (budget moves between ranks) except
+  /// for per-head budgeters; the whole-layer allocation is checked at run time.
+  /// CPU backend only.
+  bool sharded = false;
 };
 
 /// Shapes, strides and presence of every view of a layer_inputs, the layer index and the storage
@@ -134,6 +140,8 @@ struct eviction_plan {
   /// A hash of the bytes of the evictor's params at plan time: run() rejects the plan when the
   /// parameters changed since, also through a reference taken before plan().
   std::uint64_t params_fingerprint = 0;
+  /// Made with plan_options::sharded: only run_sharded() takes it (and takes only such plans).
+  bool sharded = false;
 };
 
 }  // namespace kvevict

@@ -19,6 +19,8 @@
 #include "kvevict/backends/cpu/scorers/head_scorer.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/workspace.hpp"
+#include "kvevict/distributed/exchange.hpp"
+#include "kvevict/distributed/fingerprint.hpp"
 #include "kvevict/evictor.hpp"
 #include "kvevict/frontend/frontend.hpp"
 #include "kvevict/frontend/plan.hpp"
@@ -116,7 +118,13 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     rq.lengths_stride[0] = in.lengths.stride[0];
     rq.lengths_stride[1] = in.lengths.stride[1];
     rq.num_threads = resolve_threads(opt);
+    rq.sharded = opt.sharded;
     auto backend_check = [&]() -> status {
+      if constexpr (FE::kind == kvevict::detail::budget_kind::score_driven && !has_apportion<Budgeter>::value) {
+        if (opt.sharded)
+          return status::error(errc::not_supported, "budgeter %s has no apportion_budgets: it cannot allocate over a sharded layer",
+                               Budgeter::name);
+      }
       if (opt.num_threads < 0)
         return status::error(errc::invalid_argument, "plan_options.num_threads = %d must be >= 0 (0: the backend's default)",
                              opt.num_threads);
@@ -156,36 +164,108 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   template <class T>
   status run(const eviction_plan& pl, const layer_inputs<T>& in, selection_view out, void* workspace, std::size_t workspace_bytes,
              float* maybe_scores = nullptr) const {
-    // The plan's thread count, within the per-thread scratch the workspace can hold; the
-    // workspace those threads and the current parameters need (O(threads) to count), never less
-    // than the plan's: a plan cannot make run() write past the caller's memory.
-    const int nt = std::max(1, std::min(pl.num_threads, cpu::detail::max_scratch_threads));
-    KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, this->workspace_bytes(in, nt))));
-    kvevict::detail::workspace_carver c(kvevict::detail::workspace_carver::align_up(workspace));
-    // The page table's duplicate check first, in the workspace (a plan may be reused with a new
-    // table of the same shape); its bytes are free again for the buffers.
-    const auto table_mark = c.mark();
-    KVEVICT_TRY(cpu::detail::check_pages(in, c.template carve<unsigned char>(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)))));
-    c.rewind(table_mark);
-    auto len = [&](std::int64_t b, std::int64_t h) { return in.length(b, h); };
-    if (in.lengths.data || in.paged()) KVEVICT_TRY(FE::check_length_range(in.batch(), in.kv_heads(), in.capacity(), len));
-    KVEVICT_TRY(FE::check_layer_mean_lengths(p_, in.batch(), in.kv_heads(), len));
-    if (p_.check_finite) KVEVICT_TRY(check_finite(in));
-    const budget_request& budget = pl.budget;
+    return run_impl(pl, in, out, workspace, workspace_bytes, maybe_scores, nullptr, nullptr);
+  }
 
+  /// run() for a layer whose KV heads are split over the ranks of `comm` (tensor parallelism;
+  /// docs/distributed.md). Every rank of the group calls it for the same layer, with a plan made
+  /// with plan_options::sharded, its own heads (in: this rank's kv_heads = shard.num_heads
+  /// heads; its queries, if any, those heads' query heads) and the same budget and policy
+  /// parameters. Each rank scores and smooths its own heads; the head-wise budgeters allocate
+  /// over the whole layer by a few collectives (AdaKV / CriticalAdaKV: 7 rounds at most, LKV-H
+  /// and the per-head budgeters: 2, kvevict/distributed/exchange.hpp), so every rank's selection
+  /// equals the single-process selection of its heads, bit for bit. out: this rank's rows
+  /// (batch * shard.num_heads * G, row b * H + h). stats (optional): the rounds and bytes.
+  /// Errors: any rank's error (bad inputs, a shard outside [0, global_kv_heads) or holding a head
+  /// twice, ranks that disagree on the layer, budget or budgeter parameters, heads held by no
+  /// rank or by two) is returned on every rank, none left waiting in a collective; a failed
+  /// collective is returned with this rank's number. On error out is untouched.
+  /// Host memory: O(batch * global rows) beside the workspace.
+  template <class T>
+  status run_sharded(const eviction_plan& pl, const layer_inputs<T>& in, distributed::communicator* comm, const distributed::shard& sh,
+                     selection_view out, void* workspace, std::size_t workspace_bytes, float* maybe_scores = nullptr,
+                     distributed::exchange_stats* stats = nullptr) const {
+    distributed::detail::layer_exchange ex(comm, sh, stats);
+    return run_impl(pl, in, out, workspace, workspace_bytes, maybe_scores, &ex, &sh);
+  }
+
+  /// Convenience overload that allocates its own workspace (std::vector).
+  template <class T>
+  status run(const layer_inputs<T>& in, const budget_request& budget, selection_view out, float* maybe_scores = nullptr) const {
+    eviction_plan pl;
+    KVEVICT_TRY(plan(in, budget, &pl));
+    std::vector<unsigned char> ws(pl.workspace_bytes + kvevict::detail::workspace_carver::alignment);
+    void* aligned = kvevict::detail::workspace_carver::align_up(ws.data());
+    return run(pl, in, out, aligned, ws.size() - static_cast<std::size_t>(static_cast<unsigned char*>(aligned) - ws.data()),
+               maybe_scores);
+  }
+
+ private:
+  template <class Bu, class = void>
+  struct has_apportion : std::false_type {};
+  template <class Bu>
+  struct has_apportion<Bu, std::void_t<decltype(&Bu::template apportion_budgets<std::int64_t>)>> : std::true_type {};
+
+  template <class T>
+  status run_impl(const eviction_plan& pl, const layer_inputs<T>& in, selection_view out, void* workspace, std::size_t workspace_bytes,
+                  float* maybe_scores, distributed::detail::layer_exchange* ex, const distributed::shard* sh) const {
     const std::int64_t B = in.batch(), Hkv = in.kv_heads(), H = out_heads(in), S = in.capacity();
     const std::int64_t Gq = in.queries.data ? in.group_size() : 1;  // query heads per KV head
     const std::int64_t Gout = H / Hkv;                               // out rows per KV head
     const std::int64_t rows = B * H;
-    buffers buf = carve_all(c, in, nt);
-
-    // 1. plans, the budgets that need no scores, the "needs scoring" flags (front-end rules)
-    bool any_scoring = false;
-    for (std::int64_t b = 0; b < B; ++b) {
-      KVEVICT_TRY(FE::sequence_budgets(in, p_, budget, b, H, len, buf.plans + b * H, buf.budgets + b * H, buf.need + b * H,
-                                       buf.layer));
-      for (std::int64_t h = 0; h < H; ++h) any_scoring = any_scoring || buf.need[b * H + h];
+    const budget_request& budget = pl.budget;
+    auto len = [&](std::int64_t b, std::int64_t h) { return in.length(b, h); };
+    buffers buf{};
+    // Checks and step 1. Sharded, an error here is this rank's status in the exchange's first
+    // round (every rank learns it there), so nothing returns before the exchange.
+    const status local = [&]() -> status {
+      if (pl.sharded != (ex != nullptr))
+        return status::error(errc::invalid_argument, pl.sharded ? "plan was made with plan_options::sharded: call run_sharded()"
+                                                                : "run_sharded() needs a plan made with plan_options::sharded");
+      // The plan's thread count, within the per-thread scratch the workspace can hold; the
+      // workspace those threads and the current parameters need (O(threads) to count), never less
+      // than the plan's: a plan cannot make run() write past the caller's memory.
+      const int nt = std::max(1, std::min(pl.num_threads, cpu::detail::max_scratch_threads));
+      KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, this->workspace_bytes(in, nt))));
+      if (ex) KVEVICT_TRY(distributed::detail::layer_exchange::check_local(ex_comm(ex), *sh, Hkv));
+      kvevict::detail::workspace_carver c(kvevict::detail::workspace_carver::align_up(workspace));
+      // The page table's duplicate check first, in the workspace (a plan may be reused with a new
+      // table of the same shape); its bytes are free again for the buffers.
+      const auto table_mark = c.mark();
+      KVEVICT_TRY(cpu::detail::check_pages(in, c.template carve<unsigned char>(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)))));
+      c.rewind(table_mark);
+      if (in.lengths.data || in.paged()) KVEVICT_TRY(FE::check_length_range(in.batch(), in.kv_heads(), in.capacity(), len));
+      KVEVICT_TRY(FE::check_layer_mean_lengths(p_, in.batch(), in.kv_heads(), len));
+      if (p_.check_finite) KVEVICT_TRY(check_finite(in));
+      buf = carve_all(c, in, nt);
+      buf.nt = nt;
+      // 1. plans, the budgets that need no scores, the "needs scoring" flags (front-end rules;
+      // sharded, the whole-layer allocation waits for every rank's plans)
+      for (std::int64_t b = 0; b < B; ++b)
+        KVEVICT_TRY(FE::sequence_budgets(in, p_, budget, b, H, len, buf.plans + b * H, buf.budgets + b * H, buf.need + b * H,
+                                         buf.layer, ex != nullptr));
+      return {};
+    }();
+    if (ex) {
+      KVEVICT_TRY(ex->agree(local, B, Gout, in.layer_idx, in.num_layers, distributed::detail::policy_fingerprint<Policy>(p_, budget),
+                            buf.plans));
+      if constexpr (FE::kind == kvevict::detail::budget_kind::whole_layer) {
+        // the whole-layer allocation over every rank's rows (the same on every rank); this rank's slice
+        const std::int64_t Hg = ex->global_rows();
+        std::vector<std::int64_t> gb(static_cast<std::size_t>(Hg));
+        for (std::int64_t b = 0; b < B; ++b) {
+          KVEVICT_TRY(Budgeter::layer_budgets(p_.budgeter, budget, ex->global_plans() + b * Hg, Hg, sh->global_kv_heads, in.layer_idx,
+                                              in.num_layers, gb.data(), buf.layer));
+          for (std::int64_t h = 0; h < H; ++h) buf.budgets[b * H + h] = gb[static_cast<std::size_t>(ex->global_row(h))];
+          FE::need_flags(p_, buf.plans + b * H, buf.budgets + b * H, H, buf.need + b * H);
+        }
+      }
+    } else {
+      KVEVICT_TRY(local);
     }
+    const int nt = buf.nt;
+    bool any_scoring = false;
+    for (std::int64_t r = 0; r < rows; ++r) any_scoring = any_scoring || buf.need[r];
 
     // 2. scoring + GQA reduction (per (sequence, KV head)), then smoothing (per row)
     if constexpr (Scorer::has_scores) {
@@ -231,10 +311,14 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
 
     // 3. score-driven budgets (the budgeter's CPU implementation moves budget between heads)
     if constexpr (FE::kind == kvevict::detail::budget_kind::score_driven) {
+      if (ex) {
+        if constexpr (has_apportion<Budgeter>::value) KVEVICT_TRY(sharded_score_budgets(*ex, buf, B, H, S));
+      } else {
       std::vector<const float*> rowptr(static_cast<std::size_t>(H));
       for (std::int64_t b = 0; b < B; ++b) {
         for (std::int64_t h = 0; h < H; ++h) rowptr[static_cast<std::size_t>(h)] = buf.scores + (b * H + h) * S;
         cpu::budgeter_impl<Budgeter>::score_budgets(p_.budgeter, buf.plans + b * H, rowptr.data(), H, buf.budgets + b * H);
+      }
       }
     }
 
@@ -318,19 +402,30 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     return {};
   }
 
-  /// Convenience overload that allocates its own workspace (std::vector).
-  template <class T>
-  status run(const layer_inputs<T>& in, const budget_request& budget, selection_view out, float* maybe_scores = nullptr) const {
-    eviction_plan pl;
-    KVEVICT_TRY(plan(in, budget, &pl));
-    std::vector<unsigned char> ws(pl.workspace_bytes + kvevict::detail::workspace_carver::alignment);
-    void* aligned = kvevict::detail::workspace_carver::align_up(ws.data());
-    return run(pl, in, out, aligned, ws.size() - static_cast<std::size_t>(static_cast<unsigned char*>(aligned) - ws.data()),
-               maybe_scores);
+  struct buffers;
+  /// Sharded score-driven budgets: the global winners (exchange rounds 3-7), the budgeter's
+  /// apportioning over the global rows (the single-device code), this rank's slice.
+  status sharded_score_budgets(distributed::detail::layer_exchange& ex, buffers& buf, std::int64_t B, std::int64_t H,
+                               std::int64_t S) const {
+    const std::int64_t Hg = ex.global_rows();
+    std::vector<const float*> rowptr(static_cast<std::size_t>(B * H));
+    for (std::int64_t r = 0; r < B * H; ++r) rowptr[static_cast<std::size_t>(r)] = buf.need[r] ? buf.scores + r * S : nullptr;
+    std::vector<std::int64_t> win(static_cast<std::size_t>(B * Hg)), T(static_cast<std::size_t>(B)), cap(static_cast<std::size_t>(Hg)),
+        extra(static_cast<std::size_t>(Hg)), gb(static_cast<std::size_t>(Hg));
+    std::vector<double> share(static_cast<std::size_t>(Hg));
+    KVEVICT_TRY(ex.winners(rowptr.data(), win.data(), T.data()));
+    for (std::int64_t b = 0; b < B; ++b) {
+      Budgeter::apportion_budgets(p_.budgeter, ex.global_plans() + b * Hg, win.data() + b * Hg, Hg, T[static_cast<std::size_t>(b)],
+                                  share.data(), cap.data(), extra.data(), gb.data());
+      for (std::int64_t h = 0; h < H; ++h) buf.budgets[b * H + h] = gb[static_cast<std::size_t>(ex.global_row(h))];
+    }
+    return {};
   }
 
- private:
+  static distributed::communicator* ex_comm(distributed::detail::layer_exchange* ex) { return ex->comm(); }
+
   struct buffers {
+    int nt = 1;  ///< threads of this run
     kvevict::detail::head_plan* plans;
     std::int64_t* budgets;
     std::int64_t* offsets;

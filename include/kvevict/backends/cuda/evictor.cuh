@@ -110,6 +110,8 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
                                         : (in.paged() ? opt.host_lengths != nullptr : (in.lengths.data == nullptr || opt.host_lengths != nullptr));
     rq.host_budgets = budgeter_i::host_budgets;
     rq.num_threads = 1;
+    if (opt.sharded)  // docs/distributed.md: the exchange runs on the CPU backend's host buffers
+      return status::error(errc::not_supported, "plan_options.sharded: the CUDA backend has no run_sharded (docs/distributed.md)");
     return front::make_plan(
         in, p_, budget, rq, [&]() { return backend_check(in); }, [&](int) { return workspace_size(in); }, out);
   }

@@ -1,0 +1,278 @@
+// IWYU pragma: private, include "kvevict/distributed.hpp"
+// The per-layer budget protocol of sharded eviction (docs/distributed.md), host code shared by
+// the drivers: every rank of a layer's group holds some of its KV heads, scores and smooths them
+// locally, and the head-wise budgeters' global allocation is found by a few small collectives.
+//
+//   round 1  all_gather, 8 int64 per rank: each rank's local status and what it believes the
+//            layer is (global heads, batch, rows per head, layer, budget and policy fingerprint).
+//            Any error, or any disagreement, ends the call on every rank with the same verdict.
+//   round 2  all_reduce_sum, batch * global_kv_heads * (1 + 5 G) int64: the head plans of every
+//            global row (length, base budget, sinks, recent, pass-through) and how many ranks
+//            hold each head (must be exactly 1: overlapping or missing heads are an error).
+//   AdaKV    rounds 3-6 all_reduce_sum, batch * 256 int64 each: a radix select of the layer's
+//            T-th largest candidate score (8 bits per round, over order-preserving uint32 keys);
+//            round 7 all_reduce_sum, batch * global rows * 2 int64: each row's candidates above
+//            the threshold and at it. Ties at the threshold go to the lower global row, then the
+//            lower slot, as on one device, so every rank computes the same winners per row.
+//            Skipped (rounds 3-7) when no sequence needs a choice (T = 0 or all candidates win).
+//   LKV-H    nothing more: the whole-model allocation runs on the gathered plans.
+// Every rank then runs the single-device budget code on the global rows and keeps its slice.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kvevict/core/budget_rules.hpp"
+#include "kvevict/core/status.hpp"
+#include "kvevict/distributed/communicator.hpp"
+
+namespace kvevict {
+namespace distributed {
+namespace detail {
+
+/// Order-preserving key of a smoothed score for the radix select, matching the single-device
+/// order (cpu::detail::adakv_budgets): larger score = larger key, -0 == +0, NaN below everything.
+inline std::uint32_t score_key(float s) {
+  if (!(s == s)) return 0u;
+  if (s == 0.0f) s = 0.0f;  // -0 and +0 tie, as `a.s != b.s` says on one device
+  std::uint32_t u;
+  std::memcpy(&u, &s, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // -inf -> 0x007fffff > 0 (NaN's key)
+}
+
+/// FNV-1a over bytes, folded into h.
+inline std::uint64_t fnv1a(std::uint64_t h, const void* p, std::size_t n) {
+  const unsigned char* c = static_cast<const unsigned char*>(p);
+  for (std::size_t i = 0; i < n; ++i) {
+    h ^= c[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+/// Fields of a head plan in round 2.
+constexpr std::int64_t plan_fields = 5;
+
+/// One layer's exchange on one rank. Construct, then agree() (rounds 1-2), then for AdaKV
+/// winners() (rounds 3-7). Allocates O(batch * global rows) host memory.
+class layer_exchange {
+ public:
+  layer_exchange(communicator* comm, const shard& sh, exchange_stats* stats) : comm_(comm), sh_(sh), stats_(stats) {
+    if (stats_) *stats_ = exchange_stats{};
+  }
+
+  /// Checks that need no communication: a communicator on host memory, a shard consistent with
+  /// the layer's local KV heads. Its error becomes this rank's round-1 status.
+  static status check_local(const communicator* comm, const shard& sh, std::int64_t local_kv_heads) {
+    if (!comm) return status::error(errc::null_pointer, "communicator is null");
+    if (comm->size() < 1 || comm->rank() < 0 || comm->rank() >= comm->size())
+      return status::error(errc::invalid_argument, "communicator rank() = %d, size() = %d", comm->rank(), comm->size());
+    if (comm->space() != memory_space::host)
+      return status::error(errc::not_supported, "communicator.space() = device: this backend exchanges host buffers");
+    if (sh.global_kv_heads < 1)
+      return status::error(errc::invalid_argument, "shard.global_kv_heads = %d must be >= 1", sh.global_kv_heads);
+    if (sh.num_heads != local_kv_heads)
+      return status::error(errc::shape_mismatch, "shard.num_heads = %d != the layer's local kv_heads = %lld", sh.num_heads,
+                           static_cast<long long>(local_kv_heads));
+    if (sh.num_heads > 0 && !sh.heads) return status::error(errc::null_pointer, "shard.heads is null");
+    for (std::int32_t h = 0; h < sh.num_heads; ++h) {
+      if (sh.heads[h] < 0 || sh.heads[h] >= sh.global_kv_heads)
+        return status::error(errc::invalid_argument, "shard.heads[%d] = %d is outside [0, global_kv_heads = %d)", h, sh.heads[h],
+                             sh.global_kv_heads);
+      for (std::int32_t j = 0; j < h; ++j)
+        if (sh.heads[j] == sh.heads[h])
+          return status::error(errc::invalid_argument, "shard.heads[%d] = shard.heads[%d] = %d (a head held twice)", j, h, sh.heads[h]);
+    }
+    return {};
+  }
+
+  /// Rounds 1-2. local: this rank's status so far (its error is reported on every rank);
+  /// plans: (batch, num_heads * gout) local head plans (read only when local is ok).
+  /// fingerprint: what must agree across ranks (budget, policy parameters). On success
+  /// global_plans() holds (batch, global_kv_heads * gout) plans.
+  status agree(status local, std::int64_t batch, std::int64_t gout, int layer_idx, int num_layers, std::uint64_t fingerprint,
+               const kvevict::detail::head_plan* plans) {
+    if (local.ok()) local = check_local(comm_, sh_, sh_.num_heads);
+    if (!comm_) return local;  // nobody to tell; the caller's error
+    const int P = comm_->size(), me = comm_->rank();
+    std::int64_t mine[8] = {local.ok() ? 0 : static_cast<std::int64_t>(local.code()), sh_.global_kv_heads, sh_.num_heads, batch,
+                            gout, layer_idx, num_layers, static_cast<std::int64_t>(fingerprint)};
+    std::vector<std::int64_t> all(static_cast<std::size_t>(P) * 8);
+    KVEVICT_TRY(collective(comm_->all_gather(mine, 8, all.data()), 8));
+    if (!local.ok()) return local;
+    for (int r = 0; r < P; ++r)
+      if (all[r * 8] != 0)
+        return status::error(static_cast<errc>(all[r * 8]), "rank %d of %d failed (%s); rank %d did not run the layer", r, P,
+                             to_string(static_cast<errc>(all[r * 8])), me);
+    static const char* field[8] = {"status", "shard.global_kv_heads", "", "batch", "out rows per KV head", "layer_idx", "num_layers",
+                                   "budget/policy fingerprint"};
+    std::int64_t held = 0;
+    for (int r = 0; r < P; ++r) {
+      held += all[r * 8 + 2];
+      for (int f = 1; f < 8; ++f)
+        if (f != 2 && all[r * 8 + f] != all[f])
+          return status::error(errc::invalid_argument, "ranks disagree on %s: rank 0 has %lld, rank %d has %lld", field[f],
+                               static_cast<long long>(all[f]), r, static_cast<long long>(all[r * 8 + f]));
+    }
+    if (held != sh_.global_kv_heads)
+      return status::error(errc::invalid_argument, "the ranks hold %lld KV heads in all, shard.global_kv_heads = %d (overlap or gap)",
+                           static_cast<long long>(held), sh_.global_kv_heads);
+    batch_ = batch;
+    gout_ = gout;
+    const std::int64_t Hk = sh_.global_kv_heads, rec = 1 + plan_fields * gout;
+    std::vector<std::int64_t> buf(static_cast<std::size_t>(batch * Hk * rec), 0);
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int32_t h = 0; h < sh_.num_heads; ++h) {
+        std::int64_t* o = buf.data() + (b * Hk + sh_.heads[h]) * rec;
+        o[0] = 1;
+        for (std::int64_t g = 0; g < gout; ++g) {
+          const auto& pl = plans[b * sh_.num_heads * gout + h * gout + g];
+          std::int64_t* f = o + 1 + g * plan_fields;
+          f[0] = pl.length;
+          f[1] = pl.base_budget;
+          f[2] = pl.sinks;
+          f[3] = pl.recent;
+          f[4] = pl.pass_through ? 1 : 0;
+        }
+      }
+    KVEVICT_TRY(collective(comm_->all_reduce_sum(buf.data(), static_cast<std::int64_t>(buf.size())), static_cast<std::int64_t>(buf.size())));
+    for (std::int64_t h = 0; h < Hk; ++h)
+      if (buf[static_cast<std::size_t>(h * rec)] != 1)
+        return status::error(errc::invalid_argument, "global KV head %lld is held by %lld ranks (shard.heads must cover each head once)",
+                             static_cast<long long>(h), static_cast<long long>(buf[static_cast<std::size_t>(h * rec)]));
+    gplans_.assign(static_cast<std::size_t>(batch * Hk * gout), kvevict::detail::head_plan{});
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t h = 0; h < Hk; ++h)
+        for (std::int64_t g = 0; g < gout; ++g) {
+          const std::int64_t* f = buf.data() + (b * Hk + h) * rec + 1 + g * plan_fields;
+          auto& pl = gplans_[static_cast<std::size_t>((b * Hk + h) * gout + g)];
+          pl.length = f[0];
+          pl.base_budget = f[1];
+          pl.sinks = f[2];
+          pl.recent = f[3];
+          pl.pass_through = f[4] != 0;
+        }
+    return {};
+  }
+
+  communicator* comm() const { return comm_; }
+  /// Out rows of one sequence over the whole layer.
+  std::int64_t global_rows() const { return static_cast<std::int64_t>(sh_.global_kv_heads) * gout_; }
+  /// (batch, global_rows()) head plans after agree().
+  const kvevict::detail::head_plan* global_plans() const { return gplans_.data(); }
+  /// The global row of local out row h (of a sequence).
+  std::int64_t global_row(std::int64_t h) const { return static_cast<std::int64_t>(sh_.heads[h / gout_]) * gout_ + h % gout_; }
+
+  /// AdaKV's share of each global row in the layer's top-T candidates (rounds 3-7).
+  /// rows: (batch * local rows) pointers to the local smoothed score rows (row b * H + h; null
+  /// for pass-through rows). winners: out, (batch, global_rows()); T: out, (batch) the layer's
+  /// candidate total per sequence, min(sum of B_h - protected_h, candidates), as on one device.
+  status winners(const float* const* rows, std::int64_t* winners, std::int64_t* T) {
+    const std::int64_t Hg = global_rows(), H = static_cast<std::int64_t>(sh_.num_heads) * gout_;
+    std::vector<std::int64_t> k(static_cast<std::size_t>(batch_), 0);
+    bool any = false;
+    for (std::int64_t b = 0; b < batch_; ++b) {
+      std::int64_t t = 0, c = 0;
+      for (std::int64_t h = 0; h < Hg; ++h) {
+        const auto& pl = gplans_[static_cast<std::size_t>(b * Hg + h)];
+        if (pl.pass_through) continue;
+        t += pl.base_budget - pl.protected_count();
+        c += pl.candidates();
+      }
+      if (t > c) t = c;
+      T[b] = t;
+      for (std::int64_t h = 0; h < Hg; ++h) {  // the two cases without a choice
+        const auto& pl = gplans_[static_cast<std::size_t>(b * Hg + h)];
+        winners[b * Hg + h] = (t == c && !pl.pass_through) ? pl.candidates() : 0;
+      }
+      if (t > 0 && t < c) {
+        k[static_cast<std::size_t>(b)] = t;
+        any = true;
+      }
+    }
+    if (!any) return {};
+    // radix select of the k-th largest key per sequence, 8 bits a round from the top
+    std::vector<std::uint32_t> prefix(static_cast<std::size_t>(batch_), 0u);
+    std::vector<std::int64_t> hist(static_cast<std::size_t>(batch_ * 256));
+    for (int round = 0; round < 4; ++round) {
+      const int shift = 24 - 8 * round;
+      std::fill(hist.begin(), hist.end(), 0);
+      for (std::int64_t b = 0; b < batch_; ++b) {
+        if (k[static_cast<std::size_t>(b)] == 0) continue;
+        const std::uint32_t pre = prefix[static_cast<std::size_t>(b)];
+        std::int64_t* hb = hist.data() + b * 256;
+        for_candidates(rows, b, H, [&](std::int64_t, std::uint32_t key) {
+          if (round == 0 || (key >> (shift + 8)) == (pre >> (shift + 8))) ++hb[(key >> shift) & 255u];
+        });
+      }
+      KVEVICT_TRY(collective(comm_->all_reduce_sum(hist.data(), static_cast<std::int64_t>(hist.size())),
+                             static_cast<std::int64_t>(hist.size())));
+      if (stats_) ++stats_->radix_rounds;
+      for (std::int64_t b = 0; b < batch_; ++b) {
+        std::int64_t& kb = k[static_cast<std::size_t>(b)];
+        if (kb == 0) continue;
+        const std::int64_t* hb = hist.data() + b * 256;
+        int d = 255;
+        for (; d > 0 && hb[d] < kb; --d) kb -= hb[d];
+        prefix[static_cast<std::size_t>(b)] |= static_cast<std::uint32_t>(d) << shift;
+      }
+    }
+    // each global row's candidates above the threshold key and at it; ties in row order
+    std::vector<std::int64_t> counts(static_cast<std::size_t>(batch_ * Hg * 2), 0);
+    for (std::int64_t b = 0; b < batch_; ++b) {
+      if (k[static_cast<std::size_t>(b)] == 0) continue;
+      const std::uint32_t K = prefix[static_cast<std::size_t>(b)];
+      for_candidates(rows, b, H, [&](std::int64_t h, std::uint32_t key) {
+        std::int64_t* c = counts.data() + (b * Hg + global_row(h)) * 2;
+        if (key > K) ++c[0];
+        else if (key == K) ++c[1];
+      });
+    }
+    KVEVICT_TRY(collective(comm_->all_reduce_sum(counts.data(), static_cast<std::int64_t>(counts.size())),
+                           static_cast<std::int64_t>(counts.size())));
+    for (std::int64_t b = 0; b < batch_; ++b) {
+      std::int64_t rem = k[static_cast<std::size_t>(b)];  // ties still to take
+      if (rem == 0) continue;
+      for (std::int64_t h = 0; h < Hg; ++h) {
+        const std::int64_t* c = counts.data() + (b * Hg + h) * 2;
+        const std::int64_t tie = c[1] < rem ? c[1] : rem;
+        winners[b * Hg + h] = c[0] + tie;
+        rem -= tie;
+      }
+    }
+    return {};
+  }
+
+ private:
+  template <class F>
+  void for_candidates(const float* const* rows, std::int64_t b, std::int64_t H, F f) const {
+    const std::int64_t Hg = global_rows();
+    for (std::int64_t h = 0; h < H; ++h) {
+      const auto& pl = gplans_[static_cast<std::size_t>(b * Hg + global_row(h))];
+      const float* row = rows[b * H + h];
+      if (pl.pass_through || !row) continue;
+      for (std::int64_t i = pl.sinks; i < pl.length - pl.recent; ++i) f(h, score_key(row[i]));
+    }
+  }
+
+  status collective(status st, std::int64_t count) {
+    if (stats_) {
+      ++stats_->rounds;
+      stats_->bytes += count * static_cast<std::int64_t>(sizeof(std::int64_t));
+    }
+    if (st.ok()) return st;
+    return status::error(st.code(), "rank %d: collective failed: %s", comm_->rank(), st.message());
+  }
+
+  communicator* comm_;
+  shard sh_;
+  exchange_stats* stats_;
+  std::int64_t batch_ = 0, gout_ = 1;
+  std::vector<kvevict::detail::head_plan> gplans_;
+};
+
+}  // namespace detail
+}  // namespace distributed
+}  // namespace kvevict
