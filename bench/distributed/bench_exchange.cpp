@@ -7,14 +7,18 @@
 //                         the scoring and selection work a rank does, without any exchange
 //   adakv_sharded/L:<n>   evictor::run_sharded on the same heads as half of the 8-head layer:
 //                         the same work plus the exchange (7 collectives, local radix passes)
-// Both on every rank with the same fixed iteration count (collectives must match); rank 0
-// reports. sharded / local - 1 is the exchange's share of a layer's eviction. Counters: rounds,
+//   exchange/L:<n>        the exchange alone (layer_exchange: rounds 1-7 and the radix passes over
+//                         this rank's candidates) on random fp32 scores of the same shapes
+// All on every rank with the same fixed iteration count (collectives must match); rank 0
+// reports. exchange / adakv_local is the exchange's share of a layer's eviction (sharded - local is
+// the same, but within the noise). Counters: rounds,
 // bytes (sent per rank per layer).
 #include <mpi.h>
 
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
+#include <random>
 #include <cstdint>
 #include <vector>
 
@@ -82,6 +86,43 @@ void BM_adakv(benchmark::State& st) {
   st.counters["ranks"] = g_size;
 }
 
+/// The exchange alone (rounds 1-7 and the local radix passes), on the plans and on random fp32
+/// scores of the same shapes: what run_sharded adds to a rank's work.
+void BM_exchange(benchmark::State& st) {
+  const std::int64_t L = st.range(0), H = kb::kKvHeads, per = H / g_size;
+  const kvevict::budget_request req = kvevict::budget_request::tokens(static_cast<std::int32_t>(kb::bench_budget(L)));
+  const auto p = kvevict::presets::adakv::defaults();
+  std::vector<kvevict::detail::head_plan> plans(static_cast<std::size_t>(per),
+                                                kvevict::detail::plan_head(req, p.selector, L, kb::kWindow));
+  std::vector<float> scores(static_cast<std::size_t>(per * L));
+  std::mt19937 g(static_cast<unsigned>(11 + g_rank));
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (float& x : scores) x = u(g);
+  std::vector<const float*> rows(static_cast<std::size_t>(per));
+  for (std::int64_t h = 0; h < per; ++h) rows[static_cast<std::size_t>(h)] = scores.data() + h * L;
+  std::vector<std::int32_t> heads(static_cast<std::size_t>(per));
+  for (std::int64_t h = 0; h < per; ++h) heads[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(g_rank * per + h);
+  kvevict::distributed::mpi_communicator comm(MPI_COMM_WORLD);
+  const kvevict::distributed::shard sh{static_cast<std::int32_t>(H), heads.data(), static_cast<std::int32_t>(per)};
+  const std::uint64_t fp = kvevict::distributed::detail::policy_fingerprint<kvevict::presets::adakv>(p, req);
+  std::vector<std::int64_t> win(static_cast<std::size_t>(H)), T(1);
+  kvevict::distributed::exchange_stats stats;
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : st) {
+    kvevict::distributed::detail::layer_exchange ex(&comm, sh, &stats);
+    kvevict::status s = ex.agree(kvevict::status{}, 1, 1, 0, 1, fp, plans.data());
+    if (s.ok()) s = ex.winners(rows.data(), win.data(), T.data());
+    if (!s.ok()) {
+      st.SkipWithError(s.message());
+      break;
+    }
+    benchmark::DoNotOptimize(win.data());
+  }
+  st.counters["rounds"] = stats.rounds;
+  st.counters["bytes"] = static_cast<double>(stats.bytes);
+  st.counters["ranks"] = g_size;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,6 +139,7 @@ int main(int argc, char** argv) {
   for (std::int64_t L : {std::int64_t(4096), std::int64_t(32768)}) {
     benchmark::RegisterBenchmark("adakv_local/bf16", BM_adakv<false>)->Arg(L)->ArgName("L")->Iterations(iters(L))->UseRealTime()->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark("adakv_sharded/bf16", BM_adakv<true>)->Arg(L)->ArgName("L")->Iterations(iters(L))->UseRealTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("exchange", BM_exchange)->Arg(L)->ArgName("L")->Iterations(200)->UseRealTime()->Unit(benchmark::kMillisecond);
   }
   benchmark::AddCustomContext("mpi_ranks", std::to_string(g_size));
   benchmark::Initialize(&argc, argv);
