@@ -6,7 +6,7 @@
 //   adakv_local/L:<n>     evictor::run on this rank's 4 heads as if they were the whole layer:
 //                         the scoring and selection work a rank does, without any exchange
 //   adakv_sharded/L:<n>   evictor::run_sharded on the same heads as half of the 8-head layer:
-//                         the same work plus the exchange (7 collectives, local radix passes)
+//                         the same work plus the exchange (8 collectives, local radix passes)
 //   exchange/L:<n>        the exchange alone (layer_exchange: rounds 1-7 and the radix passes over
 //                         this rank's candidates) on random fp32 scores of the same shapes
 // All on every rank with the same fixed iteration count (collectives must match); rank 0

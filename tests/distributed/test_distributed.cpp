@@ -17,6 +17,7 @@
 #include <kvevict/backends/cpu/learned.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -98,7 +99,10 @@ dense_layer random_layer(std::uint64_t seed, std::int64_t B, std::int64_t H, std
   for (std::int64_t i = 0; i < B * H * S * d; ++i) L.k.push_back(static_cast<float>(r.normal()));
   for (std::int64_t i = 0; i < B * H * S * d; ++i) L.v.push_back(static_cast<float>(r.normal()));
   for (std::int64_t i = 0; i < B * H * G * W * d; ++i) L.q.push_back(static_cast<float>(r.normal()));
-  for (std::int64_t i = 0; i < B * H; ++i) L.len.push_back(static_cast<std::int32_t>(ragged ? r.integer(W + 4, S) : S));
+  // ragged: sequence 0 short (W + 1 .. 24 tokens: with a 24-token budget every head passes
+  // through, no choice) beside longer sequences (a choice): one batch, both kinds
+  for (std::int64_t i = 0; i < B * H; ++i)
+    L.len.push_back(static_cast<std::int32_t>(!ragged ? S : (i < H ? r.integer(W + 1, 24) : r.integer(S / 2, S))));
   if (with_wo)
     for (std::int64_t i = 0; i < L.C * H * G * d; ++i) L.wo.push_back(static_cast<float>(0.3 * r.normal()));
   // scores tied across heads and slots: repeated keys and values (the radix select's ties)
@@ -259,25 +263,34 @@ TEST_CASE("sharded == single process: AdaKV, CriticalAdaKV, PyramidKV, LKV on ra
         dist::exchange_stats st;
         (void)check_equal<kvevict::presets::adakv>("adakv", L, {}, {}, heads, req, &comm, &st);
         // the exchange: 2 rounds, then the radix select (4) and the tie counts (1) when there is a choice
-        CHECK(st.rounds == 7);
+        CHECK(st.rounds == 8);
         CHECK(st.radix_rounds == 4);
-        CHECK(st.bytes == 8 * (8 + B * H * (1 + 5) + 4 * B * 256 + B * H * 2));
+        CHECK(st.bytes == 8 * (8 + B * H * (1 + 5) + 4 * B * 256 + B * H * 2 + 1));
         auto a0 = kvevict::presets::adakv::defaults();
         a0.budgeter.alpha = 0.0f;
         (void)check_equal<kvevict::presets::adakv>("adakv alpha 0", L, a0, a0, heads, req, &comm);
         auto pq = kvevict::presets::adakv::defaults();
         pq.gqa = kvevict::gqa_reduction::per_query_head;
         (void)check_equal<kvevict::presets::adakv>("adakv per_query_head", L, pq, pq, heads, req, &comm, &st);
-        CHECK(st.bytes == 8 * (8 + B * H * (1 + 5 * G) + 4 * B * 256 + B * H * G * 2));
+        CHECK(st.bytes == 8 * (8 + B * H * (1 + 5 * G) + 4 * B * 256 + B * H * G * 2 + 1));
         (void)check_equal<kvevict::presets::critical_adakv>("critical_adakv", L, {}, {}, heads, req, &comm);
         (void)check_equal<kvevict::presets::pyramidkv>("pyramidkv", L, {}, {}, heads, req, &comm, &st);
-        CHECK(st.rounds == 2);
+        CHECK(st.rounds == 3);
+        CHECK(st.radix_rounds == 0);
+        CHECK(st.bytes == 8 * (8 + B * H * (1 + 5) + 1));
         kvevict::lkv::full::params lg = kvevict::lkv::full::defaults();
         set_lkv(lg, mlp, logits, 3, H, d, hid, ragged ? S : 0);
         std::vector<float> storage;
         const auto ll = lkv_local(lg, heads, &storage);
         (void)check_equal<kvevict::lkv::full>("lkv", L, lg, ll, heads, req, &comm, &st);
-        CHECK(st.rounds == 2);
+        CHECK(st.rounds == 3);
+        CHECK(st.bytes == 8 * (8 + B * H * (1 + 5) + 1));
+        // NaN scores (check_finite off): NaN ranks below every score, on one device and sharded
+        dense_layer nan_layer = L;
+        nan_layer.k[static_cast<std::size_t>((1 * H + 2) * S * d + 5 * d + 1)] = NAN;  // sequence 1, head 2, slot 5
+        auto pn = kvevict::presets::adakv::defaults();
+        pn.check_finite = false;
+        (void)check_equal<kvevict::presets::adakv>("adakv NaN scores", nan_layer, pn, pn, heads, req, &comm);
       }
     }
 }
@@ -321,7 +334,7 @@ TEST_CASE("bad shard descriptions and bad inputs on one rank: an error on every 
   const int last = g_size - 1;
   // one sharded run with a given shard / input on this rank; returns the status
   auto run = [&](std::vector<std::int32_t> heads, std::int32_t global, const dense_layer& whole, bool sharded_plan,
-                 const kvevict::presets::adakv::params& p) {
+                 const kvevict::presets::adakv::params& p, std::int64_t capacity = -1) {
     ev_t ev(p);
     // the layer this rank holds: its heads, or head 0 for indices the test made invalid
     std::vector<std::int32_t> take = heads;
@@ -332,16 +345,18 @@ TEST_CASE("bad shard descriptions and bad inputs on one rank: an error on every 
     kvevict::eviction_plan pl;
     (void)ev.plan(part.inputs(), req, &pl, opt);
     std::vector<std::int32_t> indptr(heads.size() * G + 1, -7), idx(static_cast<std::size_t>(part.H * G * S), -7);
+    std::vector<float> scores(static_cast<std::size_t>(part.H * G * S), -7.0f);
     kvevict::selection_view sel;
     sel.indptr = indptr.data();
     sel.indices = idx.data();
-    sel.capacity = static_cast<std::int64_t>(idx.size());
+    sel.capacity = capacity >= 0 ? capacity : static_cast<std::int64_t>(idx.size());
     std::vector<unsigned char> ws(pl.workspace_bytes + 64);
     dist::shard sh{global, heads.data(), static_cast<std::int32_t>(heads.size())};
-    const status st = ev.run_sharded(pl, part.inputs(), &comm, sh, sel, ws.data(), ws.size());
+    const status st = ev.run_sharded(pl, part.inputs(), &comm, sh, sel, ws.data(), ws.size(), scores.data());
     if (!st.ok()) {  // outputs untouched on error
       CHECK(std::all_of(indptr.begin(), indptr.end(), [](std::int32_t x) { return x == -7; }));
       CHECK(std::all_of(idx.begin(), idx.end(), [](std::int32_t x) { return x == -7; }));
+      CHECK(std::all_of(scores.begin(), scores.end(), [](float x) { return x == -7.0f; }));
     }
     return st;
   };
@@ -427,6 +442,31 @@ TEST_CASE("bad shard descriptions and bad inputs on one rank: an error on every 
     CHECK(contains(s, g_rank == last ? "is not finite" : "failed (non_finite_input)"));
     good();
   }
+  SUBCASE("one rank's selection capacity is too small: no rank writes") {
+    const status s = run(mine, static_cast<std::int32_t>(H), L, true, def, g_rank == last ? 3 : -1);
+    CHECK(!s.ok());
+    CHECK(s.code() == kvevict::errc::insufficient_capacity);
+    CHECK(contains(s, g_rank == last ? "selection.capacity = 3" : "failed after the budgets"));
+    good();
+  }
+  SUBCASE("run() refuses a sharded plan (no collective: it is not a sharded call)") {
+    ev_t ev(def);
+    const dense_layer part = L.slice(mine);
+    kvevict::plan_options opt;
+    opt.sharded = true;
+    kvevict::eviction_plan pl;
+    CHECK(ev.plan(part.inputs(), req, &pl, opt).ok());
+    CHECK(!pl.max_selected_exact);
+    std::vector<std::int32_t> indptr(mine.size() * G + 1), idx(static_cast<std::size_t>(pl.max_selected));
+    kvevict::selection_view sel;
+    sel.indptr = indptr.data();
+    sel.indices = idx.data();
+    sel.capacity = pl.max_selected;
+    std::vector<unsigned char> ws(pl.workspace_bytes);
+    const status s = ev.run(pl, part.inputs(), sel, ws.data(), ws.size());
+    CHECK(contains(s, "call run_sharded()"));
+    good();
+  }
   SUBCASE("a plan made without plan_options::sharded") {
     const status s = run(mine, static_cast<std::int32_t>(H), L, g_rank != last, def);
     CHECK(!s.ok());
@@ -469,6 +509,26 @@ TEST_CASE("sharded LKV: mismatched budget tables are refused on every rank") {
   kvevict::scorers::learned_mlp::params outp;
   const status e = dist::shard_learned_scorer(lg.scorer, wrong, &st2, &outp);
   CHECK(e.code() == kvevict::errc::shape_mismatch);
+}
+
+TEST_CASE("score_key orders scores as the single-device comparator: NaN lowest, -0 == +0") {
+  using dist::detail::score_key;
+  const float v[] = {-INFINITY, -3.5e38f, -1.0f, -1e-38f, -1e-45f, -0.0f, 0.0f, 1e-45f, 1e-38f, 1.0f, 3.5e38f, INFINITY};
+  CHECK(score_key(NAN) < score_key(-INFINITY));
+  CHECK(score_key(-NAN) == score_key(NAN));
+  CHECK(score_key(-0.0f) == score_key(0.0f));
+  for (std::size_t i = 0; i + 1 < sizeof v / sizeof v[0]; ++i) {
+    CAPTURE(v[i]);
+    CAPTURE(v[i + 1]);
+    if (v[i] == v[i + 1]) CHECK(score_key(v[i]) == score_key(v[i + 1]));
+    else CHECK(score_key(v[i]) < score_key(v[i + 1]));
+  }
+  kvtest::rng r(3);
+  for (int i = 0; i < 10000; ++i) {
+    const float a = static_cast<float>(r.normal() * std::pow(10.0, r.integer(-30, 30)));
+    const float b = static_cast<float>(r.normal() * std::pow(10.0, r.integer(-30, 30)));
+    CHECK((a < b) == (score_key(a) < score_key(b)));
+  }
 }
 
 TEST_CASE("stories260K: every layer, sharded == single process (AdaKV, CriticalAdaKV, PyramidKV, LKV)") {

@@ -17,8 +17,11 @@
 //            Skipped (rounds 3-7) when no sequence needs a choice (T = 0 or all candidates win).
 //   LKV-H    nothing more: the whole-model allocation runs on the gathered plans.
 // Every rank then runs the single-device budget code on the global rows and keeps its slice.
+//   last     all_gather, 1 int64 per rank: each rank's status after its budgets (its selection
+//            capacity, the int32 range), so that every rank writes its selection or none does.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,14 +66,22 @@ class layer_exchange {
     if (stats_) *stats_ = exchange_stats{};
   }
 
-  /// Checks that need no communication: a communicator on host memory, a shard consistent with
-  /// the layer's local KV heads. Its error becomes this rank's round-1 status.
-  static status check_local(const communicator* comm, const shard& sh, std::int64_t local_kv_heads) {
+  /// The communicator itself: not null, a valid rank and size, host buffers. A property of the
+  /// whole group (every rank passes the same kind of communicator), so its error is returned
+  /// before any collective, on every rank that has it.
+  static status check_group(const communicator* comm) {
     if (!comm) return status::error(errc::null_pointer, "communicator is null");
     if (comm->size() < 1 || comm->rank() < 0 || comm->rank() >= comm->size())
       return status::error(errc::invalid_argument, "communicator rank() = %d, size() = %d", comm->rank(), comm->size());
     if (comm->space() != memory_space::host)
       return status::error(errc::not_supported, "communicator.space() = device: this backend exchanges host buffers");
+    return {};
+  }
+
+  /// This rank's shard against its layer: global_kv_heads >= 1, num_heads = the layer's local KV
+  /// heads, heads in [0, global_kv_heads) and distinct. Its error becomes this rank's round-1
+  /// status (every rank learns it).
+  static status check_local(const shard& sh, std::int64_t local_kv_heads) {
     if (sh.global_kv_heads < 1)
       return status::error(errc::invalid_argument, "shard.global_kv_heads = %d must be >= 1", sh.global_kv_heads);
     if (sh.num_heads != local_kv_heads)
@@ -94,8 +105,8 @@ class layer_exchange {
   /// global_plans() holds (batch, global_kv_heads * gout) plans.
   status agree(status local, std::int64_t batch, std::int64_t gout, int layer_idx, int num_layers, std::uint64_t fingerprint,
                const kvevict::detail::head_plan* plans) {
-    if (local.ok()) local = check_local(comm_, sh_, sh_.num_heads);
-    if (!comm_) return local;  // nobody to tell; the caller's error
+    KVEVICT_TRY(check_group(comm_));  // nobody can be told: a property of the whole group
+    if (local.ok()) local = check_local(sh_, sh_.num_heads);
     const int P = comm_->size(), me = comm_->rank();
     std::int64_t mine[8] = {local.ok() ? 0 : static_cast<std::int64_t>(local.code()), sh_.global_kv_heads, sh_.num_heads, batch,
                             gout, layer_idx, num_layers, static_cast<std::int64_t>(fingerprint)};
@@ -154,6 +165,23 @@ class layer_exchange {
           pl.recent = f[3];
           pl.pass_through = f[4] != 0;
         }
+    return {};
+  }
+
+  /// The last round (all_gather, 1 int64 per rank), before any output is written: each rank's
+  /// status after its budgets (capacity, int32 range). Any error is returned on every rank, so
+  /// either every rank writes its selection or none does.
+  status finish(status local) {
+    const int P = comm_->size(), me = comm_->rank();
+    const std::int64_t mine = local.ok() ? 0 : static_cast<std::int64_t>(local.code());
+    std::vector<std::int64_t> all(static_cast<std::size_t>(P));
+    KVEVICT_TRY(collective(comm_->all_gather(&mine, 1, all.data()), 1));
+    if (!local.ok()) return local;
+    for (int r = 0; r < P; ++r)
+      if (all[static_cast<std::size_t>(r)] != 0)
+        return status::error(static_cast<errc>(all[static_cast<std::size_t>(r)]),
+                             "rank %d of %d failed after the budgets (%s); rank %d wrote nothing", r, P,
+                             to_string(static_cast<errc>(all[static_cast<std::size_t>(r)])), me);
     return {};
   }
 

@@ -13,7 +13,9 @@ namespace kvevict {
 namespace distributed {
 
 /// Wraps an MPI communicator the engine owns (not duplicated, not freed). Counts above INT_MAX
-/// are refused (MPI's count is an int; kvevict's exchanges are a few KiB).
+/// are refused (MPI's count is an int; kvevict's exchanges are a few KiB). A failed MPI call is
+/// returned as a status only when the communicator's error handler is MPI_ERRORS_RETURN
+/// (MPI_Comm_set_errhandler); under MPI's default, MPI_ERRORS_ARE_FATAL, MPI aborts the job.
 class mpi_communicator final : public communicator {
  public:
   explicit mpi_communicator(MPI_Comm comm) : comm_(comm) {

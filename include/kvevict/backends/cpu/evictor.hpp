@@ -172,15 +172,17 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   /// with plan_options::sharded, its own heads (in: this rank's kv_heads = shard.num_heads
   /// heads; its queries, if any, those heads' query heads) and the same budget and policy
   /// parameters. Each rank scores and smooths its own heads; the head-wise budgeters allocate
-  /// over the whole layer by a few collectives (AdaKV / CriticalAdaKV: 7 rounds at most, LKV-H
-  /// and the per-head budgeters: 2, kvevict/distributed/exchange.hpp), so every rank's selection
-  /// equals the single-process selection of its heads, bit for bit. out: this rank's rows
+  /// over the whole layer by a few collectives (AdaKV / CriticalAdaKV: 8 rounds, LKV-H and the
+  /// per-head budgeters: 3; kvevict/distributed/exchange.hpp), so every rank's selection equals
+  /// the single-process selection of its heads, bit for bit. out: this rank's rows
   /// (batch * shard.num_heads * G, row b * H + h). stats (optional): the rounds and bytes.
   /// Errors: any rank's error (bad inputs, a shard outside [0, global_kv_heads) or holding a head
   /// twice, ranks that disagree on the layer, budget or budgeter parameters, heads held by no
-  /// rank or by two) is returned on every rank, none left waiting in a collective; a failed
-  /// collective is returned with this rank's number. On error out is untouched.
-  /// Host memory: O(batch * global rows) beside the workspace.
+  /// rank or by two, a selection capacity too small on one rank) is returned on every rank, none
+  /// left waiting in a collective, and then no rank writes its selection. Errors of the
+  /// communicator itself (null, device buffers, a bad rank or size) are returned at once: they
+  /// hold for the whole group. A failed collective is returned with this rank's number. On error
+  /// out is untouched. Host memory: O(batch * global rows) beside the workspace.
   template <class T>
   status run_sharded(const eviction_plan& pl, const layer_inputs<T>& in, distributed::communicator* comm, const distributed::shard& sh,
                      selection_view out, void* workspace, std::size_t workspace_bytes, float* maybe_scores = nullptr,
@@ -211,7 +213,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
                   float* maybe_scores, distributed::detail::layer_exchange* ex, const distributed::shard* sh) const {
     const std::int64_t B = in.batch(), Hkv = in.kv_heads(), H = out_heads(in), S = in.capacity();
     const std::int64_t Gq = in.queries.data ? in.group_size() : 1;  // query heads per KV head
-    const std::int64_t Gout = H / Hkv;                               // out rows per KV head
+    const std::int64_t Gout = Hkv > 0 ? H / Hkv : 1;                 // out rows per KV head (Hkv = 0: refused below)
     const std::int64_t rows = B * H;
     const budget_request& budget = pl.budget;
     auto len = [&](std::int64_t b, std::int64_t h) { return in.length(b, h); };
@@ -227,7 +229,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       // than the plan's: a plan cannot make run() write past the caller's memory.
       const int nt = std::max(1, std::min(pl.num_threads, cpu::detail::max_scratch_threads));
       KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, this->workspace_bytes(in, nt))));
-      if (ex) KVEVICT_TRY(distributed::detail::layer_exchange::check_local(ex_comm(ex), *sh, Hkv));
+      if (ex) KVEVICT_TRY(distributed::detail::layer_exchange::check_local(*sh, Hkv));
       kvevict::detail::workspace_carver c(kvevict::detail::workspace_carver::align_up(workspace));
       // The page table's duplicate check first, in the workspace (a plan may be reused with a new
       // table of the same shape); its bytes are free again for the buffers.
@@ -312,7 +314,12 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     // 3. score-driven budgets (the budgeter's CPU implementation moves budget between heads)
     if constexpr (FE::kind == kvevict::detail::budget_kind::score_driven) {
       if (ex) {
-        if constexpr (has_apportion<Budgeter>::value) KVEVICT_TRY(sharded_score_budgets(*ex, buf, B, H, S));
+        if constexpr (has_apportion<Budgeter>::value) {
+          KVEVICT_TRY(sharded_score_budgets(*ex, buf, B, H, S));
+        } else {  // plan() refuses such a plan; a hand-made one is refused here (on every rank alike)
+          return status::error(errc::not_supported, "budgeter %s has no apportion_budgets: it cannot allocate over a sharded layer",
+                               Budgeter::name);
+        }
       } else {
       std::vector<const float*> rowptr(static_cast<std::size_t>(H));
       for (std::int64_t b = 0; b < B; ++b) {
@@ -328,12 +335,15 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       buf.offsets[r] = total;
       total += FE::kept(buf.plans[r], buf.budgets[r]);
     }
+    status fits;
     if (total > 0x7fffffff)
-      return status::error(errc::not_supported, "kept tokens = %lld exceed the int32 range of selection.indptr",
+      fits = status::error(errc::not_supported, "kept tokens = %lld exceed the int32 range of selection.indptr",
                            static_cast<long long>(total));
-    if (total > out.capacity)
-      return status::error(errc::insufficient_capacity, "selection.capacity = %lld < kept tokens = %lld (use max_selected())",
+    else if (total > out.capacity)
+      fits = status::error(errc::insufficient_capacity, "selection.capacity = %lld < kept tokens = %lld (use max_selected())",
                            static_cast<long long>(out.capacity), static_cast<long long>(total));
+    if (ex) KVEVICT_TRY(ex->finish(fits));  // sharded: every rank writes, or none
+    KVEVICT_TRY(fits);
     if constexpr (lazy_secondary) {
       // layer_mean: one secondary row per sequence, the fp64 mean of its heads' rows in head order,
       // computed in parallel over token ranges (aligned to the value-norm blocks)
@@ -421,8 +431,6 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     }
     return {};
   }
-
-  static distributed::communicator* ex_comm(distributed::detail::layer_exchange* ex) { return ex->comm(); }
 
   struct buffers {
     int nt = 1;  ///< threads of this run
