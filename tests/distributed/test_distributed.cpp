@@ -295,6 +295,24 @@ TEST_CASE("sharded == single process: AdaKV, CriticalAdaKV, PyramidKV, LKV on ra
     }
 }
 
+TEST_CASE("KV-head replication: each replica group (MPI_Comm_split) gives the single-process selection") {
+  // Ranks r and r + 2, ... hold the same heads (TP > KV heads); each run_sharded call uses the
+  // group of one replica of every head, as docs/distributed.md says to wire it.
+  MPI_Comm group;
+  MPI_Comm_split(MPI_COMM_WORLD, g_size > 1 ? g_rank % 2 : 0, g_rank, &group);
+  {
+    dist::mpi_communicator comm(group);
+    const std::int64_t B = 1, H = 4, G = 2, S = 64, d = 8, W = 8;
+    const dense_layer L = random_layer(31, B, H, G, S, d, W, true, true);
+    const std::vector<std::int32_t> heads = shard_heads(2, comm.rank(), comm.size(), H);
+    CAPTURE(comm.rank());
+    CAPTURE(comm.size());
+    (void)check_equal<kvevict::presets::adakv>("replica adakv", L, {}, {}, heads, budget_request::fraction(0.3), &comm);
+    (void)check_equal<kvevict::presets::critical_adakv>("replica critical_adakv", L, {}, {}, heads, budget_request::fraction(0.3), &comm);
+  }
+  MPI_Comm_free(&group);
+}
+
 TEST_CASE("sharded LKV refuses ragged heads without num_tokens on every rank, as one process does") {
   dist::mpi_communicator comm(MPI_COMM_WORLD);
   const std::int64_t B = 1, H = 4, G = 1, S = 64, d = 8, W = 4;
