@@ -242,6 +242,25 @@ kvevict::lkv::full::params lkv_local(const kvevict::lkv::full::params& global, c
   return p;
 }
 
+/// LKV (params ll, sliced for `heads`) run sharded at 30% on this rank's heads of L; the status.
+status run_lkv_sharded(const dense_layer& L, const kvevict::lkv::full::params& ll, const std::vector<std::int32_t>& heads,
+                       dist::communicator* comm) {
+  kvevict::evictor<kvevict::lkv::full, kvevict::cpu::backend> ev(ll);
+  const dense_layer part = L.slice(heads);
+  kvevict::plan_options opt;
+  opt.sharded = true;
+  kvevict::eviction_plan pl;
+  CHECK(ev.plan(part.inputs(), budget_request::fraction(0.3), &pl, opt).ok());
+  std::vector<std::int32_t> indptr(heads.size() + 1), idx(static_cast<std::size_t>(pl.max_selected + 1));
+  kvevict::selection_view sel;
+  sel.indptr = indptr.data();
+  sel.indices = idx.data();
+  sel.capacity = static_cast<std::int64_t>(idx.size());
+  std::vector<unsigned char> ws(pl.workspace_bytes);
+  dist::shard sh{static_cast<std::int32_t>(L.H), heads.data(), static_cast<std::int32_t>(heads.size())};
+  return ev.run_sharded(pl, part.inputs(), comm, sh, sel, ws.data(), ws.size());
+}
+
 }  // namespace
 
 TEST_CASE("sharded == single process: AdaKV, CriticalAdaKV, PyramidKV, LKV on random layers, three shard layouts") {
@@ -325,20 +344,7 @@ TEST_CASE("sharded LKV refuses ragged heads without num_tokens on every rank, as
   const std::vector<std::int32_t> heads = shard_heads(0, g_rank, g_size, H);
   std::vector<float> storage;
   const auto ll = lkv_local(lg, heads, &storage);
-  kvevict::evictor<kvevict::lkv::full, kvevict::cpu::backend> ev(ll);
-  const dense_layer part = L.slice(heads);
-  kvevict::plan_options opt;
-  opt.sharded = true;
-  kvevict::eviction_plan pl;
-  CHECK(ev.plan(part.inputs(), budget_request::fraction(0.3), &pl, opt).ok());
-  std::vector<std::int32_t> indptr(heads.size() + 1), idx(static_cast<std::size_t>(pl.max_selected + 1));
-  kvevict::selection_view sel;
-  sel.indptr = indptr.data();
-  sel.indices = idx.data();
-  sel.capacity = static_cast<std::int64_t>(idx.size());
-  std::vector<unsigned char> ws(pl.workspace_bytes);
-  dist::shard sh{static_cast<std::int32_t>(H), heads.data(), static_cast<std::int32_t>(heads.size())};
-  const status st = ev.run_sharded(pl, part.inputs(), &comm, sh, sel, ws.data(), ws.size());
+  const status st = run_lkv_sharded(L, ll, heads, &comm);
   CHECK(!st.ok());
   CHECK(std::string(st.message()).find("head lengths differ") != std::string::npos);
 }
@@ -505,20 +511,7 @@ TEST_CASE("sharded LKV: mismatched budget tables are refused on every rank") {
   const std::vector<std::int32_t> heads = shard_heads(1, g_rank, g_size, H);
   std::vector<float> storage;
   const auto ll = lkv_local(lg, heads, &storage);
-  kvevict::evictor<kvevict::lkv::full, kvevict::cpu::backend> ev(ll);
-  const dense_layer part = L.slice(heads);
-  kvevict::plan_options opt;
-  opt.sharded = true;
-  kvevict::eviction_plan pl;
-  CHECK(ev.plan(part.inputs(), budget_request::fraction(0.3), &pl, opt).ok());
-  std::vector<std::int32_t> indptr(heads.size() + 1), idx(static_cast<std::size_t>(pl.max_selected + 1));
-  kvevict::selection_view sel;
-  sel.indptr = indptr.data();
-  sel.indices = idx.data();
-  sel.capacity = static_cast<std::int64_t>(idx.size());
-  std::vector<unsigned char> ws(pl.workspace_bytes);
-  dist::shard sh{static_cast<std::int32_t>(H), heads.data(), static_cast<std::int32_t>(heads.size())};
-  const status st = ev.run_sharded(pl, part.inputs(), &comm, sh, sel, ws.data(), ws.size());
+  const status st = run_lkv_sharded(L, ll, heads, &comm);
   CHECK(st.ok() == (g_size == 1));
   if (g_size > 1) CHECK(std::string(st.message()).find("fingerprint") != std::string::npos);
   // and a scorer table of another shape
