@@ -18,4 +18,5 @@
 #include "kvevict/frontend/plan.hpp"
 #include "kvevict/policies/policy.hpp"
 #include "kvevict/presets.hpp"
+#include "kvevict/schedule/decode.hpp"
 #include "kvevict/version.hpp"

@@ -1,0 +1,266 @@
+// kvevict/schedule/decode.hpp: when to evict while generating, and with which budget.
+//
+// A decode_schedule is the per-request state of decode-time eviction (a cap on the KV cache while a
+// model generates, re-evicted every `interval` generated tokens; the "beta" of decode-time compression
+// in the eviction literature). It decides WHEN an eviction is due and WHAT per-head budget it has; the
+// engine runs the evictor of any preset (evictor<Policy, Backend>::run, or LKV's lkv::decode_step)
+// with that budget and compacts its cache as after a prefill eviction. Host code only; it holds no
+// cache, no tensor and allocates nothing. Includes only core/.
+//
+// The engine's calls (one schedule per request; none shared across requests):
+//
+//   kvevict::decode_schedule sched;
+//   KVEVICT_TRY(sched.init(opts));                         // at request start (checks opts)
+//   kvevict::decode_action a;
+//   KVEVICT_TRY(sched.after_prefill(prompt_len, &a));      // after the prompt is in the cache
+//   if (a.evict) { evict every layer with a.budget; KVEVICT_TRY(sched.evicted(a)); }
+//   for each generated token:
+//     KVEVICT_TRY(sched.after_decode(1, &a));              // after the token's K/V are appended
+//     if (a.evict) { evict with a.budget; KVEVICT_TRY(sched.evicted(a)); }
+//   sched.reset();                                         // at request end (or init() again)
+//
+// An engine that cannot evict when an eviction falls due (a busy batch, a step that appended several
+// tokens) simply does not call evicted(): the next after_decode() reports the eviction again, with the
+// due periods coalesced (decode_action::periods > 1) and the budget of the tokens seen by then; one
+// eviction then serves them all. after_decode(n) with n > 1 is the same for n tokens appended at once
+// (speculative decoding, a multi-token step).
+//
+// Budget (per KV head, every layer; what budget_request means to the evictor):
+//   keep_tokens B   the cache cap: every eviction brings each head to B tokens (uniform budgeters;
+//                   head-wise budgeters such as AdaKV and LKV-H redistribute H * B over the H heads).
+//   keep_fraction r a fraction of the tokens seen t (prompt + generated so far): each eviction has the
+//                   per-head budget max(1, floor(r * t)), so the cache grows with the sequence.
+//   Between evictions a head holds at most its budget + interval tokens (+ what the engine appended
+//   while it did not evict); the peak KV memory of a request is therefore budget + interval tokens per
+//   head (docs/decoding.md).
+//
+// Protection (optional; both 0 by default):
+//   protect_prefix P  the first min(P, first prompt length) tokens of the request are never evicted (a
+//                     system prompt, attention sinks). Compaction keeps order, so they stay slots
+//                     0..P-1 of every head and are kept as the selector's sinks.
+//   protect_recent R  the R most recent tokens are never evicted (kept as the selector's recent tokens).
+// protect() applies them to a policy's params (any selector with the protection fields of
+// selectors::topk::params: int32 num_sink, int32 num_recent, float recent_share) and raises the budget
+// to hold every protected token, so that every preset can run under one schedule.
+//
+// Papers: decode-time compression every beta steps as in the kvpress DecodingPress and the "evict while
+// generating" settings of H2O (Zhang et al. 2023), TOVA (Oren et al. 2024) and StreamingLLM (Xiao et al.
+// 2023); the spec's LKV decoding mode B (shared/spec/lkv.md) is this schedule with a fraction budget.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "kvevict/core/selection.hpp"
+#include "kvevict/core/status.hpp"
+
+namespace kvevict {
+
+/// Options of a decode_schedule (see the file comment). All counts are tokens.
+struct decode_schedule_options {
+  /// Generated tokens between two evictions (the "beta" of decode-time compression), >= 1.
+  /// 1 = after every token (the cache never exceeds budget + 1 per head).
+  std::int32_t interval = 1;
+  /// Per-head budget: exactly one of keep_tokens >= 1 (a cap) or keep_fraction in (0, 1] (of the
+  /// tokens seen at each eviction).
+  budget_request budget;
+  /// First tokens of the request never evicted, >= 0 (counted in the first prompt; min with its length).
+  std::int32_t protect_prefix = 0;
+  /// Most recent tokens never evicted, >= 0.
+  std::int32_t protect_recent = 0;
+  /// Evict right after every prefill (after_prefill) as well: the prompt is compressed at once.
+  /// false: the prompt stays whole until the first due decode-time eviction.
+  bool evict_after_prefill = true;
+};
+
+/// What the schedule asks of the engine after a prefill or a decode step.
+struct decode_action {
+  bool evict = false;              ///< run an eviction of every layer now (then call evicted())
+  std::int64_t periods = 0;        ///< due decode intervals this eviction serves (0: a prefill eviction)
+  std::int64_t tokens_seen = 0;    ///< t: tokens of the request so far (prompts + generated)
+  budget_request budget;           ///< per-head budget of this eviction, as keep_tokens (resolved at t)
+};
+
+/// Per-request state of decode-time eviction (see the file comment for the engine's calls).
+/// Default-constructed it is unusable until init() succeeds. Copyable (plain integers).
+class decode_schedule {
+ public:
+  /// Validates options. Errors (errc::invalid_argument, naming the field and value): interval < 1,
+  /// protect_prefix / protect_recent < 0, a budget with neither or both of keep_tokens / keep_fraction,
+  /// keep_tokens < 1, keep_fraction outside (0, 1], keep_tokens < protect_prefix + protect_recent (the
+  /// cap could not hold the protected tokens).
+  static status check(const decode_schedule_options& o) {
+    if (o.interval < 1) return status::error(errc::invalid_argument, "decode_schedule: interval = %d must be >= 1", o.interval);
+    if (o.protect_prefix < 0)
+      return status::error(errc::invalid_argument, "decode_schedule: protect_prefix = %d must be >= 0", o.protect_prefix);
+    if (o.protect_recent < 0)
+      return status::error(errc::invalid_argument, "decode_schedule: protect_recent = %d must be >= 0", o.protect_recent);
+    const bool tok = o.budget.keep_tokens != 0, frac = o.budget.keep_fraction != 0.0;
+    if (tok == frac)
+      return status::error(errc::invalid_argument, "decode_schedule: budget must set exactly one of keep_tokens (%d) and keep_fraction (%g)",
+                           o.budget.keep_tokens, o.budget.keep_fraction);
+    if (tok && o.budget.keep_tokens < 1)
+      return status::error(errc::invalid_argument, "decode_schedule: budget.keep_tokens = %d must be >= 1", o.budget.keep_tokens);
+    if (frac && !(o.budget.keep_fraction > 0.0 && o.budget.keep_fraction <= 1.0))
+      return status::error(errc::invalid_argument, "decode_schedule: budget.keep_fraction = %g must be in (0, 1]", o.budget.keep_fraction);
+    if (tok && std::int64_t(o.budget.keep_tokens) < std::int64_t(o.protect_prefix) + o.protect_recent)
+      return status::error(errc::invalid_argument,
+                           "decode_schedule: budget.keep_tokens = %d < protect_prefix + protect_recent = %d + %d (the cap must hold "
+                           "the protected tokens)",
+                           o.budget.keep_tokens, o.protect_prefix, o.protect_recent);
+    return {};
+  }
+
+  /// Starts a request with options `o` (check() first; on error the schedule is left unchanged).
+  status init(const decode_schedule_options& o) {
+    KVEVICT_TRY(check(o));
+    opt_ = o;
+    ready_ = true;
+    reset();
+    return {};
+  }
+
+  /// Back to the start of a request (t = 0, nothing pending, counters 0); the options stay. Call at
+  /// request end: a schedule carries nothing from one request to the next.
+  void reset() {
+    t_ = 0;
+    since_ = 0;
+    last_evict_t_ = 0;
+    last_prefill_t_ = 0;
+    prefix_ = -1;
+    evictions_ = 0;
+    pending_prefill_ = false;
+  }
+
+  /// The engine appended `tokens` prompt tokens (a prompt, or the next turn of a multi-turn request).
+  /// *out: evict (with the budget at the new t) when evict_after_prefill, else no eviction. Errors
+  /// (state unchanged): not init()ed, tokens < 1, null out, t overflowing int32 budgets.
+  status after_prefill(std::int64_t tokens, decode_action* out) {
+    KVEVICT_TRY(check_step("after_prefill", tokens, out));
+    if (prefix_ < 0) prefix_ = tokens < opt_.protect_prefix ? tokens : opt_.protect_prefix;
+    t_ += tokens;
+    last_prefill_t_ = t_;
+    pending_prefill_ = pending_prefill_ || opt_.evict_after_prefill;
+    *out = action();
+    return {};
+  }
+
+  /// The engine appended `tokens` generated tokens (1 per decode step; more for a multi-token step).
+  /// *out: evict when interval or more generated tokens are pending since the last eviction (periods =
+  /// pending / interval, coalesced into one eviction), or when a prefill eviction is still pending.
+  /// Errors (state unchanged): not init()ed, no prefill yet, tokens < 1, null out, t overflowing.
+  status after_decode(std::int64_t tokens, decode_action* out) {
+    KVEVICT_TRY(check_step("after_decode", tokens, out));
+    if (prefix_ < 0) return status::error(errc::invalid_argument, "decode_schedule::after_decode: no prefill yet (call after_prefill first)");
+    t_ += tokens;
+    since_ += tokens;
+    *out = action();
+    return {};
+  }
+
+  /// The engine ran the eviction `a` (returned by after_prefill / after_decode, with a.evict): the tokens
+  /// generated after a.tokens_seen stay pending (and a prefill eviction, when a prompt was appended after
+  /// it). Errors (state unchanged): a.evict false, a from the future (a.tokens_seen > tokens_seen()) or
+  /// not after the last reported eviction, not init()ed.
+  status evicted(const decode_action& a) {
+    if (!ready_) return status::error(errc::invalid_argument, "decode_schedule::evicted: init() first");
+    if (!a.evict) return status::error(errc::invalid_argument, "decode_schedule::evicted: the action asked for no eviction");
+    if (a.tokens_seen > t_ || a.tokens_seen <= last_evict_t_)
+      return status::error(errc::invalid_argument,
+                           "decode_schedule::evicted: action.tokens_seen = %lld is not in (%lld, %lld] (after the last eviction, "
+                           "at most the tokens seen)",
+                           static_cast<long long>(a.tokens_seen), static_cast<long long>(last_evict_t_), static_cast<long long>(t_));
+    if (last_prefill_t_ > a.tokens_seen) {  // a prompt arrived after the action: its eviction is still due
+      since_ = t_ - last_prefill_t_;
+    } else {
+      since_ = t_ - a.tokens_seen;
+      pending_prefill_ = false;
+    }
+    last_evict_t_ = a.tokens_seen;
+    ++evictions_;
+    return {};
+  }
+
+  /// Applies the schedule's protection to a policy's params `p` for the eviction `a` and returns the
+  /// budget to run it with. `window` = the query rows (observation window) the engine passes to the
+  /// evictor (a selector with num_recent = -1 protects that many recent tokens). Sets
+  /// num_sink = max(num_sink, protected prefix); the recent tokens become max(the policy's, protect_recent)
+  /// (a recent_share policy, H2O / StreamingLLM, keeps its share when it already covers protect_recent,
+  /// else it protects exactly protect_recent); *budget = a.budget raised to the protected tokens, as a
+  /// fraction budget is raised by plan_head (a keep_tokens cap holds them by check()). Without
+  /// protection, p is unchanged and *budget = a.budget. `Params`: an eviction_policy's params (its
+  /// .selector has the topk protection fields). Errors: null budget, window < 0.
+  template <class Params>
+  status protect(const decode_action& a, Params& p, std::int64_t window, budget_request* budget) const {
+    if (!budget) return status::error(errc::null_pointer, "decode_schedule::protect: budget is null");
+    if (window < 0) return status::error(errc::invalid_argument, "decode_schedule::protect: window = %lld must be >= 0", static_cast<long long>(window));
+    *budget = a.budget;
+    const std::int64_t prefix = prefix_ > 0 ? prefix_ : 0, R = opt_.protect_recent;
+    if (prefix == 0 && R == 0) return {};
+    auto& s = p.selector;
+    if (prefix > s.num_sink) s.num_sink = static_cast<decltype(s.num_sink)>(prefix);
+    std::int64_t B = a.budget.keep_tokens;
+    if (s.recent_share >= 0.0f) {
+      const std::int64_t free = B - s.num_sink;
+      const std::int64_t share = free > 0 ? static_cast<std::int64_t>(static_cast<double>(s.recent_share) * static_cast<double>(free)) : 0;
+      if (share < R) {
+        s.recent_share = -1.0f;
+        s.num_recent = static_cast<decltype(s.num_recent)>(R);
+      }
+    } else {
+      const std::int64_t own = s.num_recent >= 0 ? s.num_recent : window;
+      s.num_recent = static_cast<decltype(s.num_recent)>(own > R ? own : R);
+    }
+    const std::int64_t fixed = s.recent_share >= 0.0f ? 0 : s.num_recent;
+    const std::int64_t need = s.num_sink + fixed;
+    if (B < need) B = need;
+    budget->keep_tokens = static_cast<std::int32_t>(B);
+    budget->keep_fraction = 0.0;
+    return {};
+  }
+
+  const decode_schedule_options& options() const { return opt_; }
+  bool initialized() const { return ready_; }
+  /// t: tokens of the request so far (prompts + generated).
+  std::int64_t tokens_seen() const { return t_; }
+  /// Generated tokens since the last eviction the engine reported (evicted()).
+  std::int64_t pending_tokens() const { return since_; }
+  /// The protected prefix of this request (min(protect_prefix, first prompt length); 0 before a prefill).
+  std::int64_t protected_prefix() const { return prefix_ > 0 ? prefix_ : 0; }
+  /// Evictions reported since init() / reset().
+  std::int64_t evictions() const { return evictions_; }
+  /// Per-head budget at t tokens seen (keep_tokens B, or max(1, floor(keep_fraction * t)) capped at 2^31-1).
+  std::int64_t budget_at(std::int64_t t) const {
+    if (opt_.budget.keep_tokens > 0) return opt_.budget.keep_tokens;
+    double b = opt_.budget.keep_fraction * static_cast<double>(t);
+    if (!(b < 2147483647.0)) b = 2147483647.0;
+    const std::int64_t k = static_cast<std::int64_t>(b);
+    return k < 1 ? 1 : k;
+  }
+
+ private:
+  status check_step(const char* fn, std::int64_t tokens, const decode_action* out) const {
+    if (!ready_) return status::error(errc::invalid_argument, "decode_schedule::%s: init() first", fn);
+    if (!out) return status::error(errc::null_pointer, "decode_schedule::%s: out is null", fn);
+    if (tokens < 1) return status::error(errc::invalid_argument, "decode_schedule::%s: tokens = %lld must be >= 1", fn, static_cast<long long>(tokens));
+    if (tokens > std::numeric_limits<std::int32_t>::max() - t_)
+      return status::error(errc::invalid_argument, "decode_schedule::%s: tokens_seen %lld + %lld exceeds int32 (a cache position)", fn,
+                           static_cast<long long>(t_), static_cast<long long>(tokens));
+    return {};
+  }
+  decode_action action() const {
+    decode_action a;
+    a.tokens_seen = t_;
+    a.periods = since_ / opt_.interval;
+    a.evict = pending_prefill_ || a.periods > 0;
+    a.budget = budget_request::tokens(static_cast<std::int32_t>(budget_at(t_)));
+    return a;
+  }
+
+  decode_schedule_options opt_{};
+  bool ready_ = false;
+  bool pending_prefill_ = false;
+  std::int64_t t_ = 0, since_ = 0, prefix_ = -1, evictions_ = 0, last_evict_t_ = 0, last_prefill_t_ = 0;
+};
+
+}  // namespace kvevict
