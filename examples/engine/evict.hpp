@@ -132,6 +132,11 @@ struct layer_state {
     const float* next_query = nullptr;
     const float* next_key = nullptr;
     const float* next_value = nullptr;
+    /// Decode-time eviction (eviction_session with a decode schedule): the schedule and the eviction it
+    /// asked for. evict_layer() then runs with decode_schedule::protect() applied to the params and budget
+    /// (protected prefix / recent tokens); `budget` above is the action's. Null otherwise.
+    const kvevict::decode_schedule* schedule = nullptr;
+    const kvevict::decode_action* action = nullptr;
 };
 
 /// Compacts layer `layer` of `cache` in place from a CSR selection with n_kv_heads rows
@@ -201,16 +206,23 @@ result evict_layer(const layer_state& s, const typename Policy::params& p, int w
     in.layer_idx = l;
     in.num_layers = cfg.n_layers;
 
-    kvevict::evictor<Policy, kvevict::cpu::backend> ev(p, kvevict::cpu::backend{s.num_threads});
-    if (const kvevict::status st = ev.can_implement(in, s.budget); !st.ok())
+    typename Policy::params pp = p;
+    kvevict::budget_request budget = s.budget;
+    if (s.schedule && s.action) {  // decode-time eviction: the schedule's protection and budget
+        const std::int64_t rows = in.queries.data ? in.queries.extent[2] : 0;
+        if (const kvevict::status st = s.schedule->protect(*s.action, pp, rows, &budget); !st.ok())
+            return result::failure("evict_layer: layer " + std::to_string(l) + ": " + st.message());
+    }
+    kvevict::evictor<Policy, kvevict::cpu::backend> ev(pp, kvevict::cpu::backend{s.num_threads});
+    if (const kvevict::status st = ev.can_implement(in, budget); !st.ok())
         return result::failure("evict_layer: layer " + std::to_string(l) + ": " + st.message());
-    const std::int64_t cap = ev.max_selected(in, s.budget);
+    const std::int64_t cap = ev.max_selected(in, budget);
     std::vector<std::int32_t> indptr(size_t(H) + 1), indices(size_t(std::max<std::int64_t>(cap, 1)));
     kvevict::selection_view sel;
     sel.indptr = indptr.data();
     sel.indices = indices.data();
     sel.capacity = std::int64_t(indices.size());
-    if (const kvevict::status st = ev.run(in, s.budget, sel); !st.ok())
+    if (const kvevict::status st = ev.run(in, budget, sel); !st.ok())
         return result::failure("evict_layer: layer " + std::to_string(l) + ": " + st.message());
     if (kept_tokens) *kept_tokens = indptr[size_t(H)];
     return apply_selection(c, l, indptr.data(), indices.data());
@@ -251,10 +263,18 @@ struct session_options {
     prefill_mode prefill = prefill_mode::one_shot;
     int chunk = 0;                   ///< chunked: tokens per chunk, >= 1
     kvevict::budget_request budget;  ///< per-head budget of every eviction (fraction: of the current length)
-    /// > 0: decode-time cap: an eviction after every `decode_interval` decoded tokens (and at the end of
-    /// every prefill), so that with a uniform budget of B tokens no head ever holds more than
-    /// B + decode_interval slots while generating. Needs budget.keep_tokens.
+    /// > 0: decode-time eviction through kvevict::decode_schedule: an eviction at the end of every prefill
+    /// and after every `decode_interval` decoded tokens, each with the schedule's budget: budget.keep_tokens
+    /// B is a cap (no head holds more than B + decode_interval slots while generating, uniform budgeters),
+    /// budget.keep_fraction r is floor(r * tokens seen) per head at each eviction.
     int decode_interval = 0;
+    /// Decode-time eviction only: the first protect_prefix tokens of the request and the protect_recent most
+    /// recent tokens are never evicted (kvevict::decode_schedule::protect on the method's params).
+    int protect_prefix = 0, protect_recent = 0;
+    /// false (default): an eviction's observation window is the queries since the previous eviction (at
+    /// most the method's window). true: always the method's last `window` queries, across evictions (the
+    /// decoding report: a decode-time eviction every token still sees a full window).
+    bool window_across_evictions = false;
     int num_threads = 1;             ///< kvevict CPU threads
     /// > 0: the session's kv_cache is paged with this many slots per page (kv_cache.hpp); evictions then
     /// free pages (kvevict::cpu::compact_paged). 0: contiguous.
@@ -285,8 +305,12 @@ public:
             return result::failure("eviction_session: chunk = " + std::to_string(opt_.chunk) + " must be >= 1 in chunked mode");
         if (opt_.decode_interval < 0)
             return result::failure("eviction_session: decode_interval = " + std::to_string(opt_.decode_interval) + " must be >= 0");
-        if (opt_.decode_interval > 0 && opt_.budget.keep_tokens <= 0)
-            return result::failure("eviction_session: the decode-time cap needs budget.keep_tokens (a fixed token budget)");
+        if (opt_.decode_interval > 0) {
+            if (const kvevict::status s = kvevict::decode_schedule::check(schedule_options()); !s.ok())
+                return result::failure(std::string("eviction_session: ") + s.message());
+        } else if (opt_.protect_prefix != 0 || opt_.protect_recent != 0) {
+            return result::failure("eviction_session: protect_prefix / protect_recent need the decode-time schedule (decode_interval > 0)");
+        }
         return result::success();
     }
 
@@ -295,32 +319,50 @@ public:
     result prefill(const std::vector<int>& tokens, std::vector<float>& logits) {
         if (result r = check(); !r) return r;
         if (tokens.empty()) return result::failure("eviction_session::prefill: empty token list");
+        if (opt_.decode_interval > 0 && !sched_.initialized())
+            if (const kvevict::status s = sched_.init(schedule_options()); !s.ok()) return result::failure(std::string("eviction_session: ") + s.message());
         const forward_options fo = options();
         const size_t step = opt_.prefill == prefill_mode::chunked ? size_t(opt_.chunk) : tokens.size();
         for (size_t i = 0; i < tokens.size(); i += step) {
             const size_t end = std::min(tokens.size(), i + step);
             for (size_t t = i; t < end; ++t)
                 if (result r = forward_one(tokens[t], logits, fo); !r) return r;
-            if (opt_.prefill == prefill_mode::chunked || (end == tokens.size() && (opt_.prefill == prefill_mode::one_shot || opt_.decode_interval > 0)))
+            const bool last = end == tokens.size();
+            if (last && opt_.decode_interval > 0) {  // the schedule's prefill eviction (every prefill mode)
+                kvevict::decode_action a;
+                if (const kvevict::status s = sched_.after_prefill(std::int64_t(tokens.size()), &a); !s.ok())
+                    return result::failure(std::string("eviction_session::prefill: ") + s.message());
+                if (a.evict) {
+                    if (result r = evict_all(&a); !r) return r;
+                    if (const kvevict::status s = sched_.evicted(a); !s.ok()) return result::failure(std::string("eviction_session: ") + s.message());
+                }
+            } else if (opt_.prefill == prefill_mode::chunked || (last && opt_.prefill == prefill_mode::one_shot)) {
                 if (result r = evict_all(); !r) return r;
+            }
         }
-        since_evict_ = 0;
         return result::success();
     }
 
-    /// Runs one generated token; with the decode-time cap, evicts after every decode_interval tokens.
+    /// Runs one generated token; with the decode-time schedule, evicts when it says (after every
+    /// decode_interval tokens, with its budget and protection).
     result decode(int token, std::vector<float>& logits) {
         if (result r = check(); !r) return r;
         if (result r = forward_one(token, logits, options()); !r) return r;
-        if (opt_.decode_interval > 0 && ++since_evict_ >= opt_.decode_interval) {
-            since_evict_ = 0;
-            return evict_all();
-        }
+        if (opt_.decode_interval <= 0) return result::success();
+        if (!sched_.initialized()) return result::failure("eviction_session::decode: prefill() first");
+        kvevict::decode_action a;
+        if (const kvevict::status s = sched_.after_decode(1, &a); !s.ok()) return result::failure(std::string("eviction_session::decode: ") + s.message());
+        if (!a.evict) return result::success();
+        if (result r = evict_all(&a); !r) return r;
+        if (const kvevict::status s = sched_.evicted(a); !s.ok()) return result::failure(std::string("eviction_session: ") + s.message());
         return result::success();
     }
 
-    /// Evicts every layer now (window = queries since the last eviction), then clears the query log.
-    result evict_all() {
+    /// Evicts every layer now (window = queries since the last eviction, or the method's last `window`
+    /// with window_across_evictions), then clears the query log (kept with window_across_evictions).
+    /// `action`: a decode-time eviction of the session's schedule (its budget and protection); null: the
+    /// session's budget as it is.
+    result evict_all(const kvevict::decode_action* action = nullptr) {
         for (int l = 0; l < m_->cfg.n_layers; ++l) {
             layer_state s;
             s.m = m_;
@@ -328,11 +370,15 @@ public:
             s.cache = &cache_;
             s.layer = l;
             s.queries = &log_;
-            s.budget = opt_.budget;
+            s.budget = action ? action->budget : opt_.budget;
             s.num_threads = opt_.num_threads;
+            if (action) {
+                s.schedule = &sched_;
+                s.action = action;
+            }
             if (result r = meth_.evict(s); !r) return result::failure("method '" + meth_.name + "': " + r.error);
         }
-        log_.clear();
+        if (!opt_.window_across_evictions) log_.clear();
         ++evictions_;
         return result::success();
     }
@@ -341,9 +387,10 @@ public:
     void reset() {
         cache_.reset();
         log_.clear();
-        since_evict_ = 0;
+        sched_ = kvevict::decode_schedule{};
         evictions_ = 0;
         max_len_ = 0;
+        peak_tokens_ = 0;
     }
 
     const kv_cache& cache() const { return cache_; }
@@ -355,10 +402,26 @@ public:
     /// Largest per-head length any layer reached right after a forward step (the peak cache size),
     /// since construction, reset() or reset_peak().
     int max_length_seen() const { return max_len_; }
-    /// Restarts max_length_seen() (e.g. after the prefill, to watch the decode phase alone).
-    void reset_peak() { max_len_ = 0; }
+    /// Largest number of valid slots over every layer and KV head right after a forward step (the peak KV
+    /// memory in tokens; fp32 K+V bytes = this * 2 * head_dim * 4), since construction, reset() or reset_peak().
+    std::int64_t peak_kv_tokens() const { return peak_tokens_; }
+    /// Restarts max_length_seen() and peak_kv_tokens() (e.g. after the prefill, to watch the decode phase alone).
+    void reset_peak() {
+        max_len_ = 0;
+        peak_tokens_ = 0;
+    }
+    /// The decode-time schedule (initialized at the first prefill when decode_interval > 0).
+    const kvevict::decode_schedule& schedule() const { return sched_; }
 
 private:
+    kvevict::decode_schedule_options schedule_options() const {
+        kvevict::decode_schedule_options so;
+        so.interval = opt_.decode_interval;
+        so.budget = opt_.budget;
+        so.protect_prefix = opt_.protect_prefix;
+        so.protect_recent = opt_.protect_recent;
+        return so;
+    }
     forward_options options() {
         forward_options fo;
         fo.on_query = log_.hook();
@@ -366,8 +429,13 @@ private:
     }
     result forward_one(int token, std::vector<float>& logits, const forward_options& fo) {
         if (result r = forward(*m_, cache_, token, logits, fo); !r) return r;
+        std::int64_t total = 0;
         for (int l = 0; l < cache_.n_layers(); ++l)
-            for (int h = 0; h < cache_.n_kv_heads(); ++h) max_len_ = std::max(max_len_, cache_.length(l, h));
+            for (int h = 0; h < cache_.n_kv_heads(); ++h) {
+                max_len_ = std::max(max_len_, cache_.length(l, h));
+                total += cache_.length(l, h);
+            }
+        peak_tokens_ = std::max(peak_tokens_, total);
         return result::success();
     }
 
@@ -377,7 +445,9 @@ private:
     session_options opt_;
     kv_cache cache_;
     query_log log_;
-    int since_evict_ = 0, evictions_ = 0, max_len_ = 0;
+    kvevict::decode_schedule sched_;
+    int evictions_ = 0, max_len_ = 0;
+    std::int64_t peak_tokens_ = 0;
 };
 
 }  // namespace kvevict_engine

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,11 @@ struct lkv_decode_options {
     int interval = 1;
     /// Prefill layer by layer (evict each layer as soon as it is done: lower peak memory, same caches).
     bool layerwise = true;
+    /// Never evicted (both modes' prefill eviction, mode-B steps): the first min(protect_prefix, prompt)
+    /// tokens and the protect_recent most recent tokens of every head (kvevict::decode_schedule's
+    /// protection). Their utilities rank above every other token's, and every head's budget is at least
+    /// protect_prefix + protect_recent (headwise_learned::params::min_budget; at most t).
+    int protect_prefix = 0, protect_recent = 0;
 };
 
 /// One sequence decoded with LKV (mode A or B). Owns its kv_cache (`capacity` slots per head: prompt +
@@ -74,6 +80,8 @@ public:
         drop_indptr_.assign(size_t(N) + 1, 0);
         drop_indices_.assign(size_t(N) * size_t(std::max(cap, 1)), 0);
         scratch_.assign(size_t(std::max(cap, 1)), 0);
+        head_util_.assign(size_t(std::max(cap, 1)), 0.0f);
+        bp_user_min_ = bp_.min_budget;
         ratios_.assign(size_t(N), 0.0);
         share_.assign(size_t(N), 0.0);
         capv_.assign(size_t(N), 0);
@@ -93,6 +101,8 @@ public:
         if (cache_.capacity() < 1) return result::failure("lkv_session: capacity = " + std::to_string(cache_.capacity()) + " must be >= 1");
         if (opt_.mode == lkv_decode_mode::b && opt_.interval < 1)
             return result::failure("lkv_session: interval = " + std::to_string(opt_.interval) + " must be >= 1 in mode B");
+        if (const kvevict::status s = kvevict::decode_schedule::check(schedule_options()); !s.ok())
+            return result::failure(std::string("lkv_session: ") + s.message());
         if (const kvevict::status s = kvevict::scorers::learned_mlp::check(sp_); !s.ok()) return result::failure(std::string("lkv_session: ") + s.message());
         if (sp_.num_layers != c.n_layers || sp_.kv_heads != c.n_kv_heads || sp_.head_dim != c.head_dim())
             return result::failure("lkv_session: scorer table (layers " + std::to_string(sp_.num_layers) + ", kv_heads " +
@@ -119,6 +129,11 @@ public:
             return result::failure("lkv_session::prefill: " + std::to_string(tokens.size()) + " tokens exceed the capacity " +
                                    std::to_string(cache_.capacity()));
         const std::int64_t T = std::int64_t(tokens.size());
+        if (const kvevict::status s = sched_.init(schedule_options()); !s.ok()) return result::failure(std::string("lkv_session: ") + s.message());
+        kvevict::decode_action a;
+        if (const kvevict::status s = sched_.after_prefill(T, &a); !s.ok()) return result::failure(std::string("lkv_session::prefill: ") + s.message());
+        prefix_ = sched_.protected_prefix();
+        bp_.min_budget = std::int32_t(std::max<std::int64_t>(bp_user_min_, std::int64_t(opt_.protect_prefix) + opt_.protect_recent));
         if (const kvevict::status s = kvevict::lkv::prepare_decode_scratch(bp_, bs_); !s.ok())
             return result::failure(std::string("lkv_session::prefill: ") + s.message());
         if (const kvevict::status s = kvevict::lkv::decode_budgets(bp_, opt_.budget, T, budgets_.data(), &bs_); !s.ok())
@@ -137,6 +152,7 @@ public:
         }
         t_ = T;
         ++steps_;
+        if (const kvevict::status s = sched_.evicted(a); !s.ok()) return result::failure(std::string("lkv_session::prefill: ") + s.message());
         return result::success();
     }
 
@@ -158,9 +174,12 @@ public:
                     !st.ok())
                     return result::failure(std::string("lkv_session::decode: ") + st.message());
             }
-        if (++since_step_ < opt_.interval) return result::success();
-        since_step_ = 0;
-        return step();
+        kvevict::decode_action a;
+        if (const kvevict::status s = sched_.after_decode(1, &a); !s.ok()) return result::failure(std::string("lkv_session::decode: ") + s.message());
+        if (!a.evict) return result::success();
+        if (result r = step(); !r) return r;
+        if (const kvevict::status s = sched_.evicted(a); !s.ok()) return result::failure(std::string("lkv_session::decode: ") + s.message());
+        return result::success();
     }
 
     /// Mode-B step now at the current t (decode() calls it on schedule): budgets for t, then every head over
@@ -170,7 +189,7 @@ public:
         for (int l = 0; l < L; ++l)
             for (int h = 0; h < H; ++h) lens_[size_t(l * H + h)] = cache_.length(l, h);
         kvevict::lkv::decode_cache_view cv;
-        cv.utilities = util_.data();
+        cv.utilities = protected_utilities();
         cv.utility_stride = cache_.capacity();
         cv.lengths = lens_.data();
         kvevict::lkv::decode_step_buffers out;
@@ -197,7 +216,8 @@ public:
     void reset() {
         cache_.reset();
         t_ = 0;
-        since_step_ = 0;
+        sched_.reset();
+        prefix_ = 0;
         steps_ = 0;
         peak_ = 0;
         last_drops_ = 0;
@@ -242,14 +262,46 @@ private:
                                                                     cache_.slot_stride(), &util_[slot_index(l, h, 0)]);
                 !s.ok())
                 return result::failure(std::string("lkv_session::prefill: ") + s.message());
+            const float* u = &util_[slot_index(l, h, 0)];
+            if (protects()) {
+                std::copy(u, u + len, head_util_.begin());
+                protect_head(head_util_.data(), len);
+                u = head_util_.data();
+            }
             std::int64_t k = 0;
-            if (const kvevict::status s = kvevict::lkv::select_drops(&util_[slot_index(l, h, 0)], len, budgets_[size_t(l * H + h)],
+            if (const kvevict::status s = kvevict::lkv::select_drops(u, len, budgets_[size_t(l * H + h)],
                                                                     scratch_.data(), drop_indices_.data(), &k);
                 !s.ok())
                 return result::failure("lkv_session::prefill: layer " + std::to_string(l) + " head " + std::to_string(h) + ": " + s.message());
             remove_slots(l, h, drop_indices_.data(), std::int32_t(k));
         }
         return result::success();
+    }
+    kvevict::decode_schedule_options schedule_options() const {
+        kvevict::decode_schedule_options so;
+        so.interval = opt_.mode == lkv_decode_mode::b ? opt_.interval : 1;
+        so.budget = opt_.budget;
+        so.protect_prefix = opt_.protect_prefix;
+        so.protect_recent = opt_.protect_recent;
+        if (so.budget.keep_tokens > 0 && so.budget.keep_tokens < so.protect_prefix + so.protect_recent)
+            so.budget.keep_tokens = so.protect_prefix + so.protect_recent;  // LKV-H raises budgets to the protection itself
+        return so;
+    }
+    bool protects() const { return opt_.protect_prefix > 0 || opt_.protect_recent > 0; }
+    // Protected slots of a head of `len` slots get the largest finite utility (kept before any other).
+    void protect_head(float* u, int len) const {
+        const float top = std::numeric_limits<float>::max();
+        for (int s = 0; s < std::min<std::int64_t>(prefix_, len); ++s) u[s] = top;
+        for (int s = std::max(0, len - opt_.protect_recent); s < len; ++s) u[s] = top;
+    }
+    // The utilities a mode-B step sees: util_ itself, or a copy with the protected slots raised.
+    const float* protected_utilities() {
+        if (!protects()) return util_.data();
+        util_protected_ = util_;
+        const int H = cache_.n_kv_heads();
+        for (int l = 0; l < cache_.n_layers(); ++l)
+            for (int h = 0; h < H; ++h) protect_head(&util_protected_[slot_index(l, h, 0)], cache_.length(l, h));
+        return util_protected_.data();
     }
     // Removes the ascending slots drop[0..n) of head (l, h): kept rows move down in order.
     void remove_slots(int l, int h, const std::int32_t* drop, std::int32_t n) {
@@ -277,14 +329,16 @@ private:
     kvevict::budgeters::headwise_learned::params bp_;
     lkv_decode_options opt_;
     kv_cache cache_;
-    std::vector<float> util_;
+    std::vector<float> util_, util_protected_, head_util_;
+    kvevict::decode_schedule sched_;
+    std::int64_t prefix_ = 0, bp_user_min_ = 0;
     std::vector<std::int32_t> lens_, drop_indptr_, drop_indices_, scratch_;
     std::vector<std::int64_t> budgets_, capv_;
     std::vector<double> ratios_, share_;
     std::vector<unsigned char> clipped_;
     kvevict::lkv::decode_budget_scratch bs_;
     std::int64_t t_ = 0, peak_ = 0, last_drops_ = 0;
-    int since_step_ = 0, steps_ = 0;
+    int steps_ = 0;
 };
 
 }  // namespace kvevict_engine

@@ -240,10 +240,89 @@ TEST_CASE("session: decode-time cap keeps every head within budget + interval wh
     CHECK(s.max_length_seen() == budget + interval);  // right after the forward step that triggers an eviction
     CHECK(s.evictions() == 1 + steps / interval);
     CHECK(s.cache().next_position == n + steps);
-    // the decode-time cap needs a token budget
+    // a fraction budget is a fraction of the tokens seen at each eviction (kvevict::decode_schedule)
     o.budget = kvevict::budget_request::fraction(0.5);
-    eviction_session bad(fx().m, fx().wo, policy_method<kvevict::presets::snapkv>("SnapKV"), o, n + 1);
-    CHECK_FALSE(bad.prefill(prompt, logits).ok);
+    eviction_session half(fx().m, fx().wo, policy_method<kvevict::presets::snapkv>("SnapKV", kvevict::presets::snapkv::defaults(), 16), o, n + 1);
+    REQUIRE(half.prefill(prompt, logits));
+    for (int l = 0; l < half.cache().n_layers(); ++l)
+        for (int h = 0; h < half.cache().n_kv_heads(); ++h) CHECK(half.cache().length(l, h) == n / 2);
+    for (int i = 0; i < interval; ++i) REQUIRE(half.decode(argmax(logits), logits));
+    CHECK(half.evictions() == 2);
+    for (int l = 0; l < half.cache().n_layers(); ++l)
+        for (int h = 0; h < half.cache().n_kv_heads(); ++h) CHECK(half.cache().length(l, h) == (n + interval) / 2);
+    // protection needs the decode-time schedule, and a cap that holds it
+    session_options p = o;
+    p.decode_interval = 0;
+    p.protect_recent = 4;
+    eviction_session bad(fx().m, fx().wo, policy_method<kvevict::presets::snapkv>("SnapKV"), p, n + 1);
+    const result rb = bad.prefill(prompt, logits);
+    CHECK_FALSE(rb.ok);
+    CHECK(rb.error.find("decode_interval") != std::string::npos);
+    p.decode_interval = 4;
+    p.budget = kvevict::budget_request::tokens(10);
+    p.protect_prefix = 7;
+    eviction_session bad2(fx().m, fx().wo, policy_method<kvevict::presets::snapkv>("SnapKV"), p, n + 1);
+    const result rb2 = bad2.prefill(prompt, logits);
+    CHECK_FALSE(rb2.ok);
+    CHECK(rb2.error.find("7 + 4") != std::string::npos);
+    CHECK(bad2.cache().next_position == 0);  // refused before any token
+}
+
+TEST_CASE("session: decode-time schedule with a protected prefix and recent window, every preset") {
+    REQUIRE_MODEL_OR_SKIP();
+    using namespace kvevict::presets;
+    const std::vector<int> prompt = text_tokens(33000, 90);
+    const int n = int(prompt.size()), budget = 40, prefix = 5, recent = 6, steps = 40;  // budget >= prefix + the 32-query window
+    const std::vector<method> methods = {
+        policy_method<restkv>("ReST-KV"), policy_method<snapkv>("SnapKV"), policy_method<pyramidkv>("PyramidKV"),
+        policy_method<adakv>("AdaKV"), policy_method<h2o>("H2O", h2o::defaults(), -1), policy_method<tova>("TOVA"),
+        policy_method<streaming_llm>("StreamingLLM", streaming_llm::defaults(), 0), policy_method<key_norm>("KeyNorm", key_norm::defaults(), 0),
+        policy_method<criticalkv>("CriticalKV"), policy_method<critical_adakv>("CriticalAdaKV")};
+    int heads_checked = 0;
+    for (const method& meth : methods)
+        for (const int interval : {1, 7}) {
+            CAPTURE(meth.name);
+            CAPTURE(interval);
+            session_options o;
+            o.decode_interval = interval;
+            o.budget = kvevict::budget_request::tokens(budget);
+            o.protect_prefix = prefix;
+            o.protect_recent = recent;
+            o.window_across_evictions = true;
+            eviction_session s(fx().m, fx().wo, meth, o, n + steps + 1);
+            std::vector<float> logits;
+            const result r = s.prefill(prompt, logits);
+            REQUIRE_MESSAGE(r, r.error);
+            int t = n;
+            for (int i = 0; i <= steps; ++i) {
+                const kv_cache& c = s.cache();
+                const bool just_evicted = s.schedule().pending_tokens() == 0;
+                // AdaKV's head-wise budgets share the cap within a layer; PyramidKV's layer i keeps up to
+                // 2P - min candidates (P = budget - protected: prefix + the 32-query window) besides them
+                const bool adaptive = meth.name.find("Ada") != std::string::npos, pyramid = meth.name == "PyramidKV";
+                const int protected_tokens = prefix + 32;
+                for (int l = 0; l < c.n_layers(); ++l) {
+                    std::int64_t layer_total = 0;
+                    for (int h = 0; h < c.n_kv_heads(); ++h) {
+                        const int len = c.length(l, h);
+                        REQUIRE(len >= prefix + recent);
+                        for (int j = 0; j < prefix; ++j) CHECK(c.position(l, h, j) == j);               // the prefix stays
+                        for (int j = 0; j < recent; ++j) CHECK(c.position(l, h, len - 1 - j) == t - 1 - j);  // and the recent window
+                        if (just_evicted && !adaptive) CHECK(len <= (pyramid ? protected_tokens + 2 * (budget - protected_tokens) : budget));
+                        layer_total += len;
+                        ++heads_checked;
+                    }
+                    if (just_evicted) CHECK(layer_total <= std::int64_t(c.n_kv_heads()) * (pyramid ? 2 * budget : budget));
+                }
+                if (i == steps) break;
+                const result d = s.decode(argmax(logits), logits);
+                REQUIRE_MESSAGE(d, d.error);
+                ++t;
+            }
+            CHECK(s.evictions() == 1 + steps / interval);
+            CHECK(s.peak_kv_tokens() <= std::int64_t(s.cache().n_layers()) * s.cache().n_kv_heads() * std::max(n, budget + interval));
+        }
+    CHECK(heads_checked == 10 * 2 * 41 * 5 * 4);
 }
 
 TEST_CASE("session: multi-turn appends the next prompt to the compressed cache and compresses again") {

@@ -581,6 +581,44 @@ TEST_CASE("engine: LKV mode B on stories260K keeps the invariants on the real ca
     for (int n = 0; n < N; ++n) CHECK(s.cache().length(n / c.n_kv_heads, n % c.n_kv_heads) == after[size_t(n)] + k);
   }
   CHECK(s.kv_tokens() == kept0 + 16 * N);
+  // mode B with a protected prefix and recent window (kvevict::decode_schedule's protection): every head
+  // keeps the first 3 and the last 4 tokens, and holds at least 7 (min_budget); the budgets still sum to
+  // max(floor(R N t), 7 N)
+  for (int interval : {1, 3}) {
+    CAPTURE(interval);
+    lkv_decode_options po;
+    po.mode = lkv_decode_mode::b;
+    po.budget = kvevict::budget_request::fraction(0.1);
+    po.interval = interval;
+    po.protect_prefix = 3;
+    po.protect_recent = 4;
+    lkv_session ps(m, sp, bp, po, int(prompt.size()) + steps);
+    std::vector<float> pl;
+    REQUIRE(ps.prefill(prompt, pl));
+    std::int64_t t = std::int64_t(prompt.size());
+    int checked = 0;
+    for (int k = 0; k <= 24; ++k) {
+      const bool stepped = k == 0 || k % interval == 0;
+      for (int n = 0; n < N; ++n) {
+        const int l = n / c.n_kv_heads, h = n % c.n_kv_heads, len = ps.cache().length(l, h);
+        REQUIRE(len >= 7);
+        for (int j = 0; j < 3; ++j) CHECK(ps.cache().position(l, h, j) == j);
+        for (int j = 0; j < 4; ++j) CHECK(ps.cache().position(l, h, len - 1 - j) == t - 1 - j);
+        if (stepped) CHECK(ps.budgets()[size_t(n)] >= 7);
+        ++checked;
+      }
+      if (stepped)
+        CHECK(ps.kv_tokens() == std::max<std::int64_t>(static_cast<std::int64_t>(std::floor(0.1 * double(N) * double(t))), 7 * N));
+      if (k == 24) break;
+      REQUIRE(ps.decode(argmax(pl), pl));
+      ++t;
+    }
+    CHECK(checked == 25 * N);
+  }
+  lkv_decode_options pbad = o;
+  pbad.protect_recent = -1;
+  lkv_session psb(m, sp, bp, pbad, 8);
+  CHECK(psb.prefill(prompt, logits).error.find("protect_recent = -1") != std::string::npos);
   // errors
   lkv_decode_options bad = o;
   bad.mode = lkv_decode_mode::b;
