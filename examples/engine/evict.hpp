@@ -133,7 +133,7 @@ struct layer_state {
     const float* next_key = nullptr;
     const float* next_value = nullptr;
     /// Decode-time eviction (eviction_session with a decode schedule): the schedule and the eviction it
-    /// asked for. evict_layer() then runs with decode_schedule::protect() applied to the params and budget
+    /// asked for. evict_layer() then runs with decode_schedule::apply() applied to the params and budget
     /// (protected prefix / recent tokens); `budget` above is the action's. Null otherwise.
     const kvevict::decode_schedule* schedule = nullptr;
     const kvevict::decode_action* action = nullptr;
@@ -210,7 +210,7 @@ result evict_layer(const layer_state& s, const typename Policy::params& p, int w
     kvevict::budget_request budget = s.budget;
     if (s.schedule && s.action) {  // decode-time eviction: the schedule's protection and budget
         const std::int64_t rows = in.queries.data ? in.queries.extent[2] : 0;
-        if (const kvevict::status st = s.schedule->protect(*s.action, pp, rows, &budget); !st.ok())
+        if (const kvevict::status st = s.schedule->apply(*s.action, pp, rows, &budget); !st.ok())
             return result::failure("evict_layer: layer " + std::to_string(l) + ": " + st.message());
     }
     kvevict::evictor<Policy, kvevict::cpu::backend> ev(pp, kvevict::cpu::backend{s.num_threads});
@@ -269,7 +269,7 @@ struct session_options {
     /// budget.keep_fraction r is floor(r * tokens seen) per head at each eviction.
     int decode_interval = 0;
     /// Decode-time eviction only: the first protect_prefix tokens of the request and the protect_recent most
-    /// recent tokens are never evicted (kvevict::decode_schedule::protect on the method's params).
+    /// recent tokens are never evicted (kvevict::decode_schedule::apply on the method's params).
     int protect_prefix = 0, protect_recent = 0;
     /// false (default): an eviction's observation window is the queries since the previous eviction (at
     /// most the method's window). true: always the method's last `window` queries, across evictions (the

@@ -42,6 +42,7 @@ namespace {
 struct options {
     std::string model_flag, data_flag, artifact_flag, out_dir;
     int prompts = 6, prompt_tokens = 256, steps = 192;
+    int protect_prefix = 0, protect_recent = 0;  // lkv_decode_options (both modes)
     std::vector<double> fractions{0.1, 0.2};
     std::vector<int> intervals{1, 16};
     bool smoke = false;
@@ -52,6 +53,7 @@ int usage(const char* argv0, const std::string& why) {
     std::fprintf(stderr,
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--artifact FILE] [--out DIR] [--prompts N]\n"
                  "          [--prompt-tokens N] [--steps N] [--fractions F,F,..] [--intervals S,S,..]\n"
+                 "          [--protect-prefix N] [--protect-recent N]\n"
                  "  --model DIR        model folder (default $KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K)\n"
                  "  --data DIR         folder with sherlock.txt (default $KVEVICT_DATA_DIR, else <repo>/../shared/data/text)\n"
                  "  --artifact FILE    LKV tables (default $KVEVICT_LKV_ARTIFACT, else <repo>/artifacts/lkv/stories260K.lkv)\n"
@@ -61,6 +63,8 @@ int usage(const char* argv0, const std::string& why) {
                  "  --steps N          teacher-forced continuation tokens (default 192)\n"
                  "  --fractions LIST   keep ratios R in (0, 1] (default 0.1,0.2)\n"
                  "  --intervals LIST   mode-B intervals s >= 1 (default 1,16)\n"
+                 "  --protect-prefix N never evict the first N tokens (both modes; default 0)\n"
+                 "  --protect-recent N never evict the N most recent tokens (both modes; default 0)\n"
                  "  --smoke            1 prompt, 64 + 16 tokens, keep 0.2, intervals 1,4\n",
                  argv0);
     return 2;
@@ -149,6 +153,8 @@ int main(int argc, char** argv) {
         else if (a == "--intervals") intervals_flag = v;
         else if (a == "--prompts") { if (!parse_int(v, 1, 64, opt.prompts)) return usage(argv[0], "--prompts needs 1..64, got '" + v + "'"); }
         else if (a == "--prompt-tokens") { if (!parse_int(v, 2, 4096, opt.prompt_tokens)) return usage(argv[0], "--prompt-tokens needs 2..4096, got '" + v + "'"); }
+        else if (a == "--protect-prefix") { if (!parse_int(v, 0, 4096, opt.protect_prefix)) return usage(argv[0], "--protect-prefix needs 0..4096, got '" + v + "'"); }
+        else if (a == "--protect-recent") { if (!parse_int(v, 0, 4096, opt.protect_recent)) return usage(argv[0], "--protect-recent needs 0..4096, got '" + v + "'"); }
         else if (a == "--steps") { if (!parse_int(v, 1, 4096, opt.steps)) return usage(argv[0], "--steps needs 1..4096, got '" + v + "'"); }
         else return usage(argv[0], "unknown option " + a);
     }
@@ -256,6 +262,8 @@ int main(int argc, char** argv) {
             o.mode = rw.mode == "A" ? lkv_decode_mode::a : lkv_decode_mode::b;
             o.budget = kvevict::budget_request::fraction(rw.keep);
             o.interval = rw.mode == "A" ? 1 : rw.interval;
+            o.protect_prefix = opt.protect_prefix;
+            o.protect_recent = opt.protect_recent;
             lkv_session s(m, sp, bp, o, P + S);
             run_metrics x;
             if (result r = s.prefill(prompt, logits); !r) {

@@ -153,7 +153,7 @@ TEST_CASE("decode_schedule: an eviction reported for an action taken before a la
   CHECK_FALSE(s.evicted(old).ok());  // not after the last eviction
 }
 
-TEST_CASE("decode_schedule: protect() applies prefix and recent protection to every preset's params") {
+TEST_CASE("decode_schedule: apply() applies prefix and recent protection to every preset's params") {
   decode_schedule s;
   REQUIRE(s.init(opts(4, budget_request::tokens(40), 4, 8)).ok());
   decode_action a;
@@ -161,57 +161,58 @@ TEST_CASE("decode_schedule: protect() applies prefix and recent protection to ev
   budget_request b;
   {  // SnapKV: the window (num_recent = -1) protects W = 32 >= 8 recent tokens
     auto p = kvevict::presets::snapkv::defaults();
-    REQUIRE(s.protect(a, p, 32, &b).ok());
+    REQUIRE(s.apply(a, p, 32, &b).ok());
     CHECK(p.selector.num_sink == 4);
     CHECK(p.selector.num_recent == 32);
     CHECK(b.keep_tokens == 40);
-    REQUIRE(s.protect(a, p = kvevict::presets::snapkv::defaults(), 2, &b).ok());
+    REQUIRE(s.apply(a, p = kvevict::presets::snapkv::defaults(), 2, &b).ok());
     CHECK(p.selector.num_recent == 8);  // a 2-query window protects fewer than protect_recent
   }
   {  // StreamingLLM: 4 sinks, recent_share 1 covers 8
     auto p = kvevict::presets::streaming_llm::defaults();
-    REQUIRE(s.protect(a, p, 0, &b).ok());
+    REQUIRE(s.apply(a, p, 0, &b).ok());
     CHECK(p.selector.num_sink == 4);
     CHECK(p.selector.recent_share == 1.0f);
     CHECK(b.keep_tokens == 40);
   }
   {  // H2O: half of (40 - 4) = 18 recent >= 8: unchanged share
     auto p = kvevict::presets::h2o::defaults();
-    REQUIRE(s.protect(a, p, 100, &b).ok());
+    REQUIRE(s.apply(a, p, 100, &b).ok());
     CHECK(p.selector.recent_share == 0.5f);
     CHECK(p.selector.num_sink == 4);
   }
   {  // TOVA: num_recent 0 -> 8
     auto p = kvevict::presets::tova::defaults();
-    REQUIRE(s.protect(a, p, 32, &b).ok());
+    REQUIRE(s.apply(a, p, 32, &b).ok());
     CHECK(p.selector.num_recent == 8);
     CHECK(p.selector.num_sink == 4);
   }
   {  // CriticalKV (two_stage selector inherits the topk fields), KeyNorm, ReST-KV, AdaKV, PyramidKV, LKV
     auto c = kvevict::presets::criticalkv::defaults();
-    REQUIRE(s.protect(a, c, 16, &b).ok());
+    REQUIRE(s.apply(a, c, 16, &b).ok());
     CHECK(c.selector.num_recent == 16);
     auto k = kvevict::presets::key_norm::defaults();
-    REQUIRE(s.protect(a, k, 0, &b).ok());
+    REQUIRE(s.apply(a, k, 0, &b).ok());
     CHECK(k.selector.num_recent == 8);
     auto r = kvevict::presets::restkv::defaults();
-    REQUIRE(s.protect(a, r, 32, &b).ok());
+    REQUIRE(s.apply(a, r, 32, &b).ok());
     CHECK(r.selector.num_sink == 4);
     auto d = kvevict::presets::adakv::defaults();
-    REQUIRE(s.protect(a, d, 32, &b).ok());
+    REQUIRE(s.apply(a, d, 32, &b).ok());
     auto y = kvevict::presets::pyramidkv::defaults();
-    REQUIRE(s.protect(a, y, 32, &b).ok());
+    REQUIRE(s.apply(a, y, 32, &b).ok());
     auto l = kvevict::lkv::full::defaults();
-    REQUIRE(s.protect(a, l, 0, &b).ok());
+    REQUIRE(s.apply(a, l, 0, &b).ok());
     CHECK(l.selector.num_recent == 8);
     CHECK(l.selector.num_sink == 4);
+    CHECK(l.budgeter.num_tokens == 100);  // LKV-H's t: the tokens seen, not the (ragged) head lengths
   }
   {  // H2O with a small cap: half of (12 - 4) = 4 < 8 -> exactly 8 recent tokens
     decode_schedule t;
     REQUIRE(t.init(opts(4, budget_request::tokens(12), 4, 8)).ok());
     REQUIRE(t.after_prefill(100, &a).ok());
     auto p = kvevict::presets::h2o::defaults();
-    REQUIRE(t.protect(a, p, 100, &b).ok());
+    REQUIRE(t.apply(a, p, 100, &b).ok());
     CHECK(p.selector.recent_share < 0.0f);
     CHECK(p.selector.num_recent == 8);
     CHECK(b.keep_tokens == 12);
@@ -222,7 +223,7 @@ TEST_CASE("decode_schedule: protect() applies prefix and recent protection to ev
     REQUIRE(t.after_prefill(50, &a).ok());
     CHECK(a.budget.keep_tokens == 5);
     auto p = kvevict::presets::snapkv::defaults();
-    REQUIRE(t.protect(a, p, 32, &b).ok());
+    REQUIRE(t.apply(a, p, 32, &b).ok());
     CHECK(b.keep_tokens == 4 + 32);
     CHECK(kvevict::presets::snapkv::check(p).ok());
   }
@@ -231,12 +232,15 @@ TEST_CASE("decode_schedule: protect() applies prefix and recent protection to ev
     REQUIRE(t.init(opts(4, budget_request::tokens(12))).ok());
     REQUIRE(t.after_prefill(100, &a).ok());
     auto p = kvevict::presets::h2o::defaults();
-    REQUIRE(t.protect(a, p, 100, &b).ok());
+    REQUIRE(t.apply(a, p, 100, &b).ok());
     CHECK(p.selector.recent_share == 0.5f);
     CHECK(p.selector.num_sink == 0);
     CHECK(b.keep_tokens == 12);
-    CHECK_FALSE(t.protect(a, p, -1, &b).ok());
-    CHECK(t.protect(a, p, 0, nullptr).code() == kvevict::errc::null_pointer);
+    auto l = kvevict::lkv::full::defaults();
+    REQUIRE(t.apply(a, l, 0, &b).ok());
+    CHECK(l.budgeter.num_tokens == 100);  // set with or without protection
+    CHECK_FALSE(t.apply(a, p, -1, &b).ok());
+    CHECK(t.apply(a, p, 0, nullptr).code() == kvevict::errc::null_pointer);
   }
 }
 

@@ -149,6 +149,77 @@ def cont_forward(model, ctx_kv, cont: torch.Tensor, start: int, ctx_bias=None):
     return _linear(x, model.tok_emb if model.wcls is None else model.wcls)
 
 
+def decode_steps(c: int, n_queries: int, interval: int):
+    """Mode-B eviction points t_j for a context of c tokens and n_queries continuation queries at
+    positions c .. c + n_queries - 1: the prefill eviction at t = c, then one after every `interval`
+    generated tokens (t = c + j * interval). A step at t affects the queries at positions >= t (the
+    engine evicts after appending token t - 1 and computing its logits)."""
+    return [c + j * interval for j in range(0, (n_queries - 1) // interval + 1) if c + j * interval <= c + n_queries - 1]
+
+
+def decode_cont_forward(model, params, ctx_kv, cont: torch.Tensor, start: int, R: float, temperature: float, tau: float,
+                        eps: float, interval: int, protect_recent: int = 0):
+    """Student logits (B, S, vocab) under a soft simulation of LKV decoding mode B (spec lkv.md,
+    "Decoding"; engine lkv_session): the cache grows with the continuation and, at every step t_j of
+    decode_steps(start, S, interval), every (layer, KV head) keeps a soft top-beta_n(t_j) of ALL tokens
+    before t_j (context and continuation) by the learned utility u = MLP([k ; v]) of the token's own
+    student-side k and v, beta = the soft LKV-H budgets for t_j (water-filled r * R * N * t_j). A
+    query at position p sees each key k < p through the product of the masks of the steps t_j <= p
+    that k was present at (bias sum_j log(m_j + eps)): a token evicted at one step stays (softly)
+    evicted. The `protect_recent` most recent tokens before each step are kept (mask 1) and the budget
+    of the rest is beta - protect_recent. interval = 1 is mode B after every token."""
+    cfg = model.cfg
+    B, S = cont.shape
+    L, Hq, Hk, hd, G = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.group_size
+    dtype = model.tok_emb.dtype
+    cos, sin = _rope_cos_sin(torch.arange(start, start + S), hd, cfg.rope_theta, dtype)
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    scale = 1.0 / math.sqrt(hd)
+    C = start
+    T = C + S
+    steps = decode_steps(C, S, interval)
+    budgets = {t: soft_budgets_lh(params, temperature, R, t) for t in steps}
+    # query s (position C + s) is affected by the steps t <= C + s: index of the last one
+    last = torch.tensor([max(j for j, t in enumerate(steps) if t <= C + s) for s in range(S)])
+    x = model.tok_emb[cont]
+    for l in range(L):
+        h = _rmsnorm(x, model.rms_att[l], cfg.norm_eps)
+        q = apply_rope(_linear(h, model.wq[l]).view(B, S, Hq, hd).transpose(1, 2), cos, sin)
+        k = apply_rope(_linear(h, model.wk[l]).view(B, S, Hk, hd).transpose(1, 2), cos, sin)
+        v = _linear(h, model.wv[l]).view(B, S, Hk, hd).transpose(1, 2)
+        kc, vc = ctx_kv[l]
+        k_all, v_all = torch.cat([kc, k], 2), torch.cat([vc, v], 2)  # (B, Hk, T, hd)
+        u = params.utility(l, k_all, v_all)  # (B, Hk, T)
+        logm = []
+        for t in steps:
+            keep = u.new_zeros(B, Hk, T)
+            n_cand = t - protect_recent if t - protect_recent > 0 else 0
+            if n_cand > 0:
+                beta = (budgets[t][l].to(u.dtype) - protect_recent).clamp(min=1e-3, max=float(n_cand))
+                m = soft_topk(u[..., :n_cand], beta.reshape(1, Hk).expand(B, Hk), tau)
+                keep = keep + F.pad(torch.log(m + eps), (0, T - n_cand))
+            logm.append(keep)
+        cum = torch.cumsum(torch.stack(logm), 0)  # (steps, B, Hk, T)
+        bias = cum[last].permute(1, 2, 0, 3)  # (B, Hk, S, T): query s gets the sum over its steps
+        qg = q.view(B, Hk, G, S, hd)
+        sc = torch.matmul(qg, kc[:, :, None].transpose(-1, -2)) * scale + bias[:, :, None, :, :C].to(dtype)
+        ss = (torch.matmul(qg, k[:, :, None].transpose(-1, -2)) * scale + bias[:, :, None, :, C:].to(dtype)).masked_fill(~causal, float("-inf"))
+        att = torch.softmax(torch.cat([sc, ss], -1), -1)
+        o = torch.matmul(att[..., :C], vc[:, :, None]) + torch.matmul(att[..., C:], v[:, :, None])
+        o = o.reshape(B, Hq, S, hd).transpose(1, 2).reshape(B, S, Hq * hd)
+        x = x + _linear(o, model.wo[l])
+        h = _rmsnorm(x, model.rms_ffn[l], cfg.norm_eps)
+        x = x + _linear(F.silu(_linear(h, model.w1[l])) * _linear(h, model.w3[l]), model.w2[l])
+    x = _rmsnorm(x, model.rms_final, cfg.norm_eps)
+    return _linear(x, model.tok_emb if model.wcls is None else model.wcls)
+
+
+def soft_budgets_lh(params, temperature: float, R: float, t: int) -> torch.Tensor:
+    """Soft LKV-H budgets (L, H) for t tokens seen."""
+    L, H = params.z.shape
+    return lkv.soft_budgets(params.z, temperature, R, t).reshape(L, H)
+
+
 @torch.no_grad()
 def context_kv(model, ctx: torch.Tensor, chunk: int = 8):
     """Post-RoPE K/V of the context rows (B, C), per layer (B, H, C, hd), in chunks of rows."""
@@ -309,6 +380,11 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1 is fastest for these tiny shapes on a shared 2-core box)")
     ap.add_argument("--time-limit", type=float, default=0, help="stop training after this many seconds")
+    ap.add_argument("--decode-interval", type=int, default=0,
+                    help="> 0: train for decoding mode B: the student evicts the growing cache every this many "
+                    "continuation tokens (decode_cont_forward); 0: mode A (evict after prefill only), the default")
+    ap.add_argument("--protect-recent", type=int, default=0,
+                    help="with --decode-interval: the most recent tokens kept at every step (as lkv_session's protect_recent)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     # The shapes here are tiny (rows of <= 16 * 32 tokens): the reference BLAS beats oneDNN's
@@ -338,7 +414,8 @@ def main(argv=None):
     with open(a.text, encoding="utf-8") as f:
         text = f.read()
     log(f"lkv-train: {'smoke' if smoke else 'full'} run, steps={steps} ctx={lengths} cont={S} batch={B} "
-        f"rows={n_rows} hidden={a.hidden} R in [{a.r_min}, {a.r_max}] tau {a.tau0}->{a.tau1} seed={a.seed}")
+        f"rows={n_rows} hidden={a.hidden} R in [{a.r_min}, {a.r_max}] tau {a.tau0}->{a.tau1} seed={a.seed}"
+        + (f" decoding mode B: interval {a.decode_interval}, protect_recent {a.protect_recent}" if a.decode_interval > 0 else ""))
 
     # data: contexts from sherlock (outside the report's prompts), continuations = the true
     # text for half of the rows and the model's own sampled text for the other half
@@ -396,10 +473,14 @@ def main(argv=None):
         kvc, cin, ltc = per_len[c]
         idx = torch.randint(0, n_rows, (B,), generator=gen)
         kv = [(k[idx], v[idx]) for k, v in kvc]
-        u = utilities(params, kv)  # (L, B, H, c)
-        beta = lkv.soft_budgets(params.z, a.temperature, R, c).reshape(L, 1, H).expand(L, B, H)
-        m = soft_topk(u, beta.to(u.dtype), tau)
-        s_logits = cont_forward(model, kv, cin[idx], c, torch.log(m + a.eps))
+        if a.decode_interval > 0:
+            s_logits = decode_cont_forward(model, params, kv, cin[idx], c, R, a.temperature, tau, a.eps, a.decode_interval,
+                                           a.protect_recent)
+        else:
+            u = utilities(params, kv)  # (L, B, H, c)
+            beta = lkv.soft_budgets(params.z, a.temperature, R, c).reshape(L, 1, H).expand(L, B, H)
+            m = soft_topk(u, beta.to(u.dtype), tau)
+            s_logits = cont_forward(model, kv, cin[idx], c, torch.log(m + a.eps))
         loss = kl_rows(ltc[idx], s_logits)
         opt.zero_grad()
         loss.backward()

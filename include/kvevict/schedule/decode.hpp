@@ -39,7 +39,7 @@
 //                     system prompt, attention sinks). Compaction keeps order, so they stay slots
 //                     0..P-1 of every head and are kept as the selector's sinks.
 //   protect_recent R  the R most recent tokens are never evicted (kept as the selector's recent tokens).
-// protect() applies them to a policy's params (any selector with the protection fields of
+// apply() applies them to a policy's params (any selector with the protection fields of
 // selectors::topk::params: int32 num_sink, int32 num_recent, float recent_share) and raises the budget
 // to hold every protected token, so that every preset can run under one schedule.
 //
@@ -50,11 +50,20 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "kvevict/core/selection.hpp"
 #include "kvevict/core/status.hpp"
 
 namespace kvevict {
+
+namespace detail {
+/// Budgeters whose params carry the tokens seen (num_tokens: LKV-H's t when head lengths differ).
+template <class B, class = void>
+struct has_num_tokens : std::false_type {};
+template <class B>
+struct has_num_tokens<B, std::void_t<decltype(std::declval<B&>().num_tokens)>> : std::true_type {};
+}  // namespace detail
 
 /// Options of a decode_schedule (see the file comment). All counts are tokens.
 struct decode_schedule_options {
@@ -181,8 +190,10 @@ class decode_schedule {
     return {};
   }
 
-  /// Applies the schedule's protection to a policy's params `p` for the eviction `a` and returns the
-  /// budget to run it with. `window` = the query rows (observation window) the engine passes to the
+  /// Applies the schedule to a policy's params `p` for the eviction `a` and returns the budget to run
+  /// it with: the protection below, and for a budgeter with a num_tokens field (LKV-H:
+  /// budgeters::headwise_learned, whose heads are ragged after the first eviction) num_tokens =
+  /// a.tokens_seen, the t of its global budgets. `window` = the query rows (observation window) the engine passes to the
   /// evictor (a selector with num_recent = -1 protects that many recent tokens). Sets
   /// num_sink = max(num_sink, protected prefix); the recent tokens become max(the policy's, protect_recent)
   /// (a recent_share policy, H2O / StreamingLLM, keeps its share when it already covers protect_recent,
@@ -191,10 +202,12 @@ class decode_schedule {
   /// protection, p is unchanged and *budget = a.budget. `Params`: an eviction_policy's params (its
   /// .selector has the topk protection fields). Errors: null budget, window < 0.
   template <class Params>
-  status protect(const decode_action& a, Params& p, std::int64_t window, budget_request* budget) const {
-    if (!budget) return status::error(errc::null_pointer, "decode_schedule::protect: budget is null");
-    if (window < 0) return status::error(errc::invalid_argument, "decode_schedule::protect: window = %lld must be >= 0", static_cast<long long>(window));
+  status apply(const decode_action& a, Params& p, std::int64_t window, budget_request* budget) const {
+    if (!budget) return status::error(errc::null_pointer, "decode_schedule::apply: budget is null");
+    if (window < 0) return status::error(errc::invalid_argument, "decode_schedule::apply: window = %lld must be >= 0", static_cast<long long>(window));
     *budget = a.budget;
+    if constexpr (detail::has_num_tokens<decltype(p.budgeter)>::value)
+      p.budgeter.num_tokens = static_cast<decltype(p.budgeter.num_tokens)>(a.tokens_seen);
     const std::int64_t prefix = prefix_ > 0 ? prefix_ : 0, R = opt_.protect_recent;
     if (prefix == 0 && R == 0) return {};
     auto& s = p.selector;
