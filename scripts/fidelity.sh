@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job: build kvevict_fidelity (that target only), run the fidelity report on stories260K and plot it,
+# The main job: build kvevict_fidelity and kvevict_decoding (those targets only), run the fidelity report on stories260K and plot it,
 # on two texts: Sherlock Holmes (sherlock.txt, from which LKV's training prompts also come) and the King
 # James Bible (dumped by scripts/kjv_text.sh from Debian's bible-kjv: a text the model and LKV never saw),
-# in <report>/ and <report>/kjv/. A run given --text FILE reports on that file only.
+# in <report>/ and <report>/kjv/, then its decoding section (decode-time eviction, Sherlock) in <report>/decoding*.
+# A run given --text FILE reports on that file only (no decoding section).
 #
 #   scripts/fidelity.sh                  # full report: table on stdout, CSV + PNG in build-fidelity/report/
 #   scripts/fidelity.sh --smoke          # any kvevict_fidelity flag is passed through; a smoke run's files
@@ -46,7 +47,7 @@ if [[ $smoke == 1 ]]; then stem=fidelity_smoke; fi
 "$root/scripts/setup.sh" main
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=OFF -DKVEVICT_BUILD_TESTS=OFF \
   -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_EXAMPLES=ON -DKVEVICT_BUILD_PYTHON=OFF >/dev/null
-cmake --build "$build" -j"${JOBS:-2}" --target kvevict_fidelity
+cmake --build "$build" -j"${JOBS:-2}" --target kvevict_fidelity kvevict_decoding
 # report DIR TITLE [extra flags]: run, table, plot into DIR. Returns 10 when kvevict_fidelity skipped (model
 # or text missing, it said why); any error exits the script with its status.
 report() {
@@ -82,7 +83,16 @@ if "$root/scripts/kjv_text.sh" "$build/kjv.txt"; then
 else
   echo "warning: no King James Bible text (scripts/kjv_text.sh failed: scripts/setup.sh main installs bible-kjv); Sherlock report only" >&2
 fi
+# The decoding section (kvevict_decoding, docs/fidelity.md "Decoding"): decode-time eviction on Sherlock excerpts,
+# every preset and the LKV decoding modes, caps 10/20/30% of the 512-token context, beta 1/16/64 (~1.5 CPU-min).
+dec_args=()
+dec_stem=decoding
+if [[ $smoke == 1 ]]; then dec_args=(--smoke); dec_stem=decoding_smoke; fi
+echo
+"$build/examples/fidelity/kvevict_decoding" --out "$out" ${dec_args[@]+"${dec_args[@]}"} | tee "$out/${dec_stem}_table.txt"
 if [[ $update_docs == 1 ]]; then
+  cp "$out/decoding.csv" "$root/docs/decoding.csv"
+  cp "$out/decoding_table.txt" "$root/docs/decoding_table.txt"
   cp "$out/fidelity.csv" "$root/docs/fidelity.csv"
   cp "$out/fidelity_table.txt" "$root/docs/fidelity_table.txt"
   [[ -f $out/fidelity_kl.png ]] && cp "$out/fidelity_kl.png" "$root/docs/fidelity_kl.png"
@@ -91,5 +101,5 @@ if [[ $update_docs == 1 ]]; then
     cp "$out/kjv/fidelity_table.txt" "$root/docs/fidelity_kjv_table.txt"
     [[ -f $out/kjv/fidelity_kl.png ]] && cp "$out/kjv/fidelity_kl.png" "$root/docs/fidelity_kjv_kl.png"
   fi
-  echo "updated docs/fidelity{,_kjv}.csv, docs/fidelity{,_kjv}_table.txt, docs/fidelity{,_kjv}_kl.png"
+  echo "updated docs/fidelity{,_kjv}.csv, docs/fidelity{,_kjv}_table.txt, docs/fidelity{,_kjv}_kl.png, docs/decoding{.csv,_table.txt}"
 fi

@@ -13,7 +13,8 @@
 //                (teacher forcing). LKV also runs in its own decoding modes (lkv_session): mode A (the
 //                prompt evicted to LKV-H's budgets for B, generated tokens appended, never evicted) and
 //                mode B (LKV-H's global budgets for min(B, t) per head recomputed every beta tokens), and
-//                mode B with the 8 most recent tokens protected (decode_schedule's protect_recent);
+//                mode B with the 8 most recent tokens protected (decode_schedule's protect_recent); rows
+//                "LKVd ..." do the same with the artifact trained for decoding (stories260K_decode.lkv);
 //   metrics      KL(full || evicted) of the next-token distributions after each generated token (fp64,
 //                nats), mean over the generated positions; top-1 agreement; peak KV tokens while decoding
 //                (valid slots over every layer and KV head right after a token is appended, before an
@@ -50,7 +51,7 @@ using namespace kvevict_fidelity;
 namespace {
 
 struct options {
-    std::string model_flag, data_flag, text_flag, out_dir = ".", only, artifact_flag;
+    std::string model_flag, data_flag, text_flag, out_dir = ".", only, artifact_flag, decode_artifact_flag;
     int prompts = 6, prompt_tokens = 96, context = 0, threads = 2;  // context 0: the model's seq_len
     std::vector<double> keeps{0.1, 0.2, 0.3};
     std::vector<int> intervals{1, 16, 64};
@@ -61,7 +62,8 @@ int usage(const char* argv0, const std::string& why) {
     if (!why.empty()) std::fprintf(stderr, "error: %s\n", why.c_str());
     std::fprintf(stderr,
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--text FILE] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
-                 "          [--context N] [--keeps F,F,..] [--intervals S,S,..] [--methods NAME,..] [--artifact FILE] [--threads N]\n"
+                 "          [--context N] [--keeps F,F,..] [--intervals S,S,..] [--methods NAME,..] [--artifact FILE]\n"
+                 "          [--decode-artifact FILE] [--threads N]\n"
                  "  --model DIR        model folder (default $KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K)\n"
                  "  --data DIR         folder with sherlock.txt (default $KVEVICT_DATA_DIR, else <repo>/../shared/data/text)\n"
                  "  --text FILE        the prose the excerpts come from instead of <data>/sherlock.txt\n"
@@ -73,6 +75,8 @@ int usage(const char* argv0, const std::string& why) {
                  "  --intervals LIST   decode-time eviction every beta generated tokens (default 1,16,64)\n"
                  "  --methods LIST     only these rows (names as printed; 'LKV mode A' etc. for the LKV sessions)\n"
                  "  --artifact FILE    LKV tables (default $KVEVICT_LKV_ARTIFACT, else <repo>/artifacts/lkv/stories260K.lkv)\n"
+                 "  --decode-artifact FILE  LKV tables trained for decoding, rows 'LKVd ...' (default $KVEVICT_LKV_DECODE_ARTIFACT,\n"
+                 "                     else <repo>/artifacts/lkv/stories260K_decode.lkv; rows left out when missing)\n"
                  "  --threads N        runs in parallel (default 2; the figures do not depend on it)\n",
                  argv0);
     return 2;
@@ -82,6 +86,7 @@ int usage(const char* argv0, const std::string& why) {
 struct row {
     std::string name;
     const method* meth = nullptr;  ///< null: an LKV session
+    const kvevict::io::lkv_artifact* art = nullptr;  ///< the LKV session's tables
     lkv_decode_mode mode = lkv_decode_mode::b;
     int protect_recent = 0;
     bool has_interval = true;  ///< false: LKV mode A (never evicts while decoding): one column
@@ -130,7 +135,7 @@ result score(const reference& ref, Decode&& decode, figures& f) {
     return result::success();
 }
 
-result run_one(const model& m, const wo_factors& wo, const kvevict::io::lkv_artifact* art, const row& rw, const std::vector<int>& prompt,
+result run_one(const model& m, const wo_factors& wo, const row& rw, const std::vector<int>& prompt,
                const reference& ref, int cap, int interval, figures& f) {
     const int capacity = int(prompt.size() + ref.fed.size()) + 1;
     std::vector<float> logits;
@@ -152,7 +157,7 @@ result run_one(const model& m, const wo_factors& wo, const kvevict::io::lkv_arti
         o.budget = kvevict::budget_request::tokens(cap);
         o.interval = interval;
         o.protect_recent = rw.protect_recent;
-        lkv_session s(m, kvevict::io::scorer_params(*art), kvevict::io::budgeter_params(*art), o, capacity);
+        lkv_session s(m, kvevict::io::scorer_params(*rw.art), kvevict::io::budgeter_params(*rw.art), o, capacity);
         if (result r = s.prefill(prompt, logits); !r) return r;
         s.reset_peak();
         if (result r = score(ref, [&](int t, std::vector<float>& l) { return s.decode(t, l); }, f); !r) return r;
@@ -180,6 +185,7 @@ int main(int argc, char** argv) {
         else if (a == "--out") opt.out_dir = v;
         else if (a == "--methods") opt.only = v;
         else if (a == "--artifact") opt.artifact_flag = v;
+        else if (a == "--decode-artifact") opt.decode_artifact_flag = v;
         else if (a == "--keeps") keeps_flag = v;
         else if (a == "--intervals") intervals_flag = v;
         else if (a == "--prompts") prompts_flag = v;
@@ -257,22 +263,26 @@ int main(int argc, char** argv) {
     const std::vector<method> all = report_methods();
     std::vector<row> rows;
     for (const method& mm : all)
-        if (!mm.needs_lookahead) rows.push_back({mm.name, &mm});
-    kvevict::io::lkv_artifact art;
-    bool have_art = false;
-    {
-        const char* env = std::getenv("KVEVICT_LKV_ARTIFACT");
-        const std::string path = !opt.artifact_flag.empty() ? opt.artifact_flag
-                                 : env && *env             ? std::string(env)
-                                                           : std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/stories260K.lkv";
-        const kvevict::status s = kvevict::io::read_lkv_artifact(path.c_str(), &art);
-        if (s.ok()) have_art = true;
-        else std::fprintf(stderr, "note: LKV session rows left out: %s\n", s.message());
+        if (!mm.needs_lookahead) rows.push_back({mm.name, &mm, nullptr});
+    // LKV sessions: the committed artifact (trained for mode A) and the one trained for decoding (mode B,
+    // tools/lkv/train.py --decode-interval 4 --protect-recent 8)
+    kvevict::io::lkv_artifact art, dart;
+    auto load = [](const std::string& flag, const char* env_name, const char* file, kvevict::io::lkv_artifact& a) {
+        const char* env = std::getenv(env_name);
+        const std::string path = !flag.empty() ? flag : env && *env ? std::string(env) : std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/" + file;
+        const kvevict::status s = kvevict::io::read_lkv_artifact(path.c_str(), &a);
+        if (!s.ok()) std::fprintf(stderr, "note: LKV session rows of %s left out: %s\n", path.c_str(), s.message());
+        return s.ok();
+    };
+    if (load(opt.artifact_flag, "KVEVICT_LKV_ARTIFACT", "stories260K.lkv", art)) {
+        rows.push_back({"LKV mode A", nullptr, &art, lkv_decode_mode::a, 0, false});
+        rows.push_back({"LKV mode B", nullptr, &art, lkv_decode_mode::b, 0, true});
+        rows.push_back({"LKV mode B+r8", nullptr, &art, lkv_decode_mode::b, 8, true});
     }
-    if (have_art) {
-        rows.push_back({"LKV mode A", nullptr, lkv_decode_mode::a, 0, false});
-        rows.push_back({"LKV mode B", nullptr, lkv_decode_mode::b, 0, true});
-        rows.push_back({"LKV mode B+r8", nullptr, lkv_decode_mode::b, 8, true});
+    if (load(opt.decode_artifact_flag, "KVEVICT_LKV_DECODE_ARTIFACT", "stories260K_decode.lkv", dart)) {
+        rows.push_back({"LKVd mode A", nullptr, &dart, lkv_decode_mode::a, 0, false});
+        rows.push_back({"LKVd mode B", nullptr, &dart, lkv_decode_mode::b, 0, true});
+        rows.push_back({"LKVd mode B+r8", nullptr, &dart, lkv_decode_mode::b, 8, true});
     }
     if (!opt.only.empty()) {
         std::vector<row> sel;
@@ -322,7 +332,7 @@ int main(int argc, char** argv) {
         for (size_t j; !failed && (j = next++) < jobs.size();) {
             const job& jb = jobs[j];
             figures& f = at(jb.row, jb.cap, jb.interval, jb.prompt);
-            if (result r = run_one(m, wo, have_art ? &art : nullptr, rows[jb.row], prompts[jb.prompt], refs[jb.prompt], caps[jb.cap],
+            if (result r = run_one(m, wo, rows[jb.row], prompts[jb.prompt], refs[jb.prompt], caps[jb.cap],
                                    opt.intervals[jb.interval], f);
                 !r) {
                 errors[size_t(id)] = rows[jb.row].name + " cap " + std::to_string(caps[jb.cap]) + " beta " + std::to_string(opt.intervals[jb.interval]) +
