@@ -9,6 +9,8 @@
 #include "../../examples/fidelity/random_policy.hpp"
 #include "engine_fixture.hpp"
 
+#include <kvevict/backends/cpu/learned.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -278,8 +280,15 @@ TEST_CASE("session: decode-time schedule with a protected prefix and recent wind
         policy_method<adakv>("AdaKV"), policy_method<h2o>("H2O", h2o::defaults(), -1), policy_method<tova>("TOVA"),
         policy_method<streaming_llm>("StreamingLLM", streaming_llm::defaults(), 0), policy_method<key_norm>("KeyNorm", key_norm::defaults(), 0),
         policy_method<criticalkv>("CriticalKV"), policy_method<critical_adakv>("CriticalAdaKV")};
+    // LKV (lkv::full through the evictor: LKV-H's budgets over the whole model, num_tokens = tokens seen)
+    std::vector<method> all = methods;
+    kvevict::io::lkv_artifact art;
+    const std::string art_path = std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/stories260K.lkv";
+    const bool have_lkv = kvevict::io::read_lkv_artifact(art_path.c_str(), &art).ok();
+    if (have_lkv) all.push_back(policy_method<kvevict::lkv::full>("LKV", kvevict::lkv::full_params(art), 0));
+    else MESSAGE("LKV row skipped: " << art_path << " unreadable");
     int heads_checked = 0;
-    for (const method& meth : methods)
+    for (const method& meth : all)
         for (const int interval : {1, 7}) {
             CAPTURE(meth.name);
             CAPTURE(interval);
@@ -300,7 +309,9 @@ TEST_CASE("session: decode-time schedule with a protected prefix and recent wind
                 // AdaKV's head-wise budgets share the cap within a layer; PyramidKV's layer i keeps up to
                 // 2P - min candidates (P = budget - protected: prefix + the 32-query window) besides them
                 const bool adaptive = meth.name.find("Ada") != std::string::npos, pyramid = meth.name == "PyramidKV";
+                const bool learned = meth.name == "LKV";  // the cap holds over the whole model (N * budget)
                 const int protected_tokens = prefix + 32;
+                std::int64_t model_total = 0;
                 for (int l = 0; l < c.n_layers(); ++l) {
                     std::int64_t layer_total = 0;
                     for (int h = 0; h < c.n_kv_heads(); ++h) {
@@ -308,12 +319,14 @@ TEST_CASE("session: decode-time schedule with a protected prefix and recent wind
                         REQUIRE(len >= prefix + recent);
                         for (int j = 0; j < prefix; ++j) CHECK(c.position(l, h, j) == j);               // the prefix stays
                         for (int j = 0; j < recent; ++j) CHECK(c.position(l, h, len - 1 - j) == t - 1 - j);  // and the recent window
-                        if (just_evicted && !adaptive) CHECK(len <= (pyramid ? protected_tokens + 2 * (budget - protected_tokens) : budget));
+                        if (just_evicted && !adaptive && !learned) CHECK(len <= (pyramid ? protected_tokens + 2 * (budget - protected_tokens) : budget));
                         layer_total += len;
                         ++heads_checked;
                     }
-                    if (just_evicted) CHECK(layer_total <= std::int64_t(c.n_kv_heads()) * (pyramid ? 2 * budget : budget));
+                    if (just_evicted && !learned) CHECK(layer_total <= std::int64_t(c.n_kv_heads()) * (pyramid ? 2 * budget : budget));
+                    model_total += layer_total;
                 }
+                if (just_evicted && learned) CHECK(model_total == std::int64_t(c.n_layers()) * c.n_kv_heads() * budget);
                 if (i == steps) break;
                 const result d = s.decode(argmax(logits), logits);
                 REQUIRE_MESSAGE(d, d.error);
@@ -322,7 +335,7 @@ TEST_CASE("session: decode-time schedule with a protected prefix and recent wind
             CHECK(s.evictions() == 1 + steps / interval);
             CHECK(s.peak_kv_tokens() <= std::int64_t(s.cache().n_layers()) * s.cache().n_kv_heads() * std::max(n, budget + interval));
         }
-    CHECK(heads_checked == 10 * 2 * 41 * 5 * 4);
+    CHECK(heads_checked == (have_lkv ? 11 : 10) * 2 * 41 * 5 * 4);
 }
 
 TEST_CASE("session: multi-turn appends the next prompt to the compressed cache and compresses again") {

@@ -244,6 +244,44 @@ TEST_CASE("decode_schedule: apply() applies prefix and recent protection to ever
   }
 }
 
+TEST_CASE("decode_schedule: apply() gives LKV-H a cap as the fraction of the tokens seen with total exactly N * B") {
+  std::mt19937 rng(11);
+  int checked = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int layers = 1 + int(rng() % 80), heads = 1 + int(rng() % 64);
+    const std::int64_t t = 2 + std::int64_t(rng() % 2000000), B = 1 + std::int64_t(rng() % std::uint64_t(t - 1));  // B < t
+    decode_schedule s;
+    REQUIRE(s.init(opts(1, budget_request::tokens(int(B)))).ok());
+    decode_action a;
+    REQUIRE(s.after_prefill(t, &a).ok());
+    auto p = kvevict::lkv::full::defaults();
+    p.budgeter.num_layers = layers;
+    p.budgeter.kv_heads = heads;
+    budget_request b;
+    REQUIRE(s.apply(a, p, 0, &b).ok());
+    CHECK(p.budgeter.num_tokens == t);
+    REQUIRE(b.keep_tokens == 0);
+    REQUIRE(b.keep_fraction > 0.0);
+    REQUIRE(b.keep_fraction < 1.0);
+    const std::int64_t n = std::int64_t(layers) * heads;
+    CHECK(kvevict::budgeters::headwise_learned::total_budget(b, n, t) == n * B);
+    ++checked;
+  }
+  CHECK(checked == 20000);
+  // B >= t: every token is kept, the cap stays a token count
+  decode_schedule s;
+  REQUIRE(s.init(opts(1, budget_request::tokens(50))).ok());
+  decode_action a;
+  REQUIRE(s.after_prefill(30, &a).ok());
+  auto p = kvevict::lkv::full::defaults();
+  p.budgeter.num_layers = 5;
+  p.budgeter.kv_heads = 4;
+  budget_request b;
+  REQUIRE(s.apply(a, p, 0, &b).ok());
+  CHECK(b.keep_tokens == 50);
+  CHECK(b.keep_fraction == 0.0);
+}
+
 TEST_CASE("decode_schedule: errors name the field and leave the state unchanged") {
   decode_schedule s;
   decode_action a;

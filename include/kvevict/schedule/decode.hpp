@@ -62,7 +62,8 @@ namespace detail {
 template <class B, class = void>
 struct has_num_tokens : std::false_type {};
 template <class B>
-struct has_num_tokens<B, std::void_t<decltype(std::declval<B&>().num_tokens)>> : std::true_type {};
+struct has_num_tokens<B, std::void_t<decltype(std::declval<B&>().num_tokens), decltype(std::declval<B&>().num_layers),
+                                     decltype(std::declval<B&>().kv_heads)>> : std::true_type {};
 }  // namespace detail
 
 /// Options of a decode_schedule (see the file comment). All counts are tokens.
@@ -191,9 +192,11 @@ class decode_schedule {
   }
 
   /// Applies the schedule to a policy's params `p` for the eviction `a` and returns the budget to run
-  /// it with: the protection below, and for a budgeter with a num_tokens field (LKV-H:
-  /// budgeters::headwise_learned, whose heads are ragged after the first eviction) num_tokens =
-  /// a.tokens_seen, the t of its global budgets. `window` = the query rows (observation window) the engine passes to the
+  /// it with: the protection below, and for a budgeter with num_tokens / num_layers / kv_heads fields
+  /// (LKV-H: budgeters::headwise_learned, whose heads are ragged after the first eviction) num_tokens =
+  /// a.tokens_seen (the t of its global budgets) and the cap B < t given as the keep_fraction
+  /// (N B + 1/2) / (N t), N = num_layers * kv_heads, whose B_total = floor(fraction * N t) is exactly
+  /// N * B (so that heads of at most B tokens do not pass through above their learned budget). `window` = the query rows (observation window) the engine passes to the
   /// evictor (a selector with num_recent = -1 protects that many recent tokens). Sets
   /// num_sink = max(num_sink, protected prefix); the recent tokens become max(the policy's, protect_recent)
   /// (a recent_share policy, H2O / StreamingLLM, keeps its share when it already covers protect_recent,
@@ -206,13 +209,29 @@ class decode_schedule {
     if (!budget) return status::error(errc::null_pointer, "decode_schedule::apply: budget is null");
     if (window < 0) return status::error(errc::invalid_argument, "decode_schedule::apply: window = %lld must be >= 0", static_cast<long long>(window));
     *budget = a.budget;
-    if constexpr (detail::has_num_tokens<decltype(p.budgeter)>::value)
-      p.budgeter.num_tokens = static_cast<decltype(p.budgeter.num_tokens)>(a.tokens_seen);
     const std::int64_t prefix = prefix_ > 0 ? prefix_ : 0, R = opt_.protect_recent;
-    if (prefix == 0 && R == 0) return {};
+    if (prefix > 0 || R > 0) protect(p, window, budget);
+    if constexpr (detail::has_num_tokens<decltype(p.budgeter)>::value) {
+      // LKV-H: t = the tokens seen, and a cap B < t as the fraction of t whose total is exactly
+      // N * B (floor((N B + 1/2) / (N t) * N t) = N B): a keep_tokens cap would let every head with
+      // at most B tokens pass through whole, above its learned budget, once heads are ragged.
+      p.budgeter.num_tokens = static_cast<decltype(p.budgeter.num_tokens)>(a.tokens_seen);
+      const std::int64_t n = static_cast<std::int64_t>(p.budgeter.num_layers) * p.budgeter.kv_heads, B = budget->keep_tokens;
+      if (n > 0 && B < a.tokens_seen) {
+        budget->keep_fraction = (static_cast<double>(B) * static_cast<double>(n) + 0.5) / (static_cast<double>(n) * static_cast<double>(a.tokens_seen));
+        budget->keep_tokens = 0;
+      }
+    }
+    return {};
+  }
+
+ private:
+  template <class Params>
+  void protect(Params& p, std::int64_t window, budget_request* budget) const {
+    const std::int64_t prefix = prefix_ > 0 ? prefix_ : 0, R = opt_.protect_recent;
     auto& s = p.selector;
     if (prefix > s.num_sink) s.num_sink = static_cast<decltype(s.num_sink)>(prefix);
-    std::int64_t B = a.budget.keep_tokens;
+    std::int64_t B = budget->keep_tokens;
     if (s.recent_share >= 0.0f) {
       const std::int64_t free = B - s.num_sink;
       const std::int64_t share = free > 0 ? static_cast<std::int64_t>(static_cast<double>(s.recent_share) * static_cast<double>(free)) : 0;
@@ -229,8 +248,9 @@ class decode_schedule {
     if (B < need) B = need;
     budget->keep_tokens = static_cast<std::int32_t>(B);
     budget->keep_fraction = 0.0;
-    return {};
   }
+
+ public:
 
   const decode_schedule_options& options() const { return opt_; }
   bool initialized() const { return ready_; }
