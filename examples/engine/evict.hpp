@@ -328,9 +328,11 @@ public:
             for (size_t t = i; t < end; ++t)
                 if (result r = forward_one(tokens[t], logits, fo); !r) return r;
             const bool last = end == tokens.size();
-            if (last && opt_.decode_interval > 0) {  // the schedule's prefill eviction (every prefill mode)
+            // with the decode-time schedule every chunk (or the whole prompt) is a prefill it is told of, so
+            // each eviction gets its budget and protection
+            if (opt_.decode_interval > 0 && (last || opt_.prefill == prefill_mode::chunked)) {
                 kvevict::decode_action a;
-                if (const kvevict::status s = sched_.after_prefill(std::int64_t(tokens.size()), &a); !s.ok())
+                if (const kvevict::status s = sched_.after_prefill(std::int64_t(end - i), &a); !s.ok())
                     return result::failure(std::string("eviction_session::prefill: ") + s.message());
                 if (a.evict) {
                     if (result r = evict_all(&a); !r) return r;
@@ -347,9 +349,9 @@ public:
     /// decode_interval tokens, with its budget and protection).
     result decode(int token, std::vector<float>& logits) {
         if (result r = check(); !r) return r;
+        if (opt_.decode_interval > 0 && sched_.tokens_seen() == 0) return result::failure("eviction_session::decode: prefill() first");
         if (result r = forward_one(token, logits, options()); !r) return r;
         if (opt_.decode_interval <= 0) return result::success();
-        if (!sched_.initialized()) return result::failure("eviction_session::decode: prefill() first");
         kvevict::decode_action a;
         if (const kvevict::status s = sched_.after_decode(1, &a); !s.ok()) return result::failure(std::string("eviction_session::decode: ") + s.message());
         if (!a.evict) return result::success();

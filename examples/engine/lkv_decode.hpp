@@ -283,8 +283,9 @@ private:
         so.budget = opt_.budget;
         so.protect_prefix = opt_.protect_prefix;
         so.protect_recent = opt_.protect_recent;
-        if (so.budget.keep_tokens > 0 && so.budget.keep_tokens < so.protect_prefix + so.protect_recent)
-            so.budget.keep_tokens = so.protect_prefix + so.protect_recent;  // LKV-H raises budgets to the protection itself
+        const std::int64_t protected_tokens = std::int64_t(so.protect_prefix) + so.protect_recent;
+        if (so.budget.keep_tokens > 0 && so.budget.keep_tokens < protected_tokens && protected_tokens <= std::numeric_limits<std::int32_t>::max())
+            so.budget.keep_tokens = std::int32_t(protected_tokens);  // LKV-H raises budgets to the protection itself
         return so;
     }
     bool protects() const { return opt_.protect_prefix > 0 || opt_.protect_recent > 0; }

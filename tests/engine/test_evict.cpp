@@ -338,6 +338,37 @@ TEST_CASE("session: decode-time schedule with a protected prefix and recent wind
     CHECK(heads_checked == (have_lkv ? 11 : 10) * 2 * 41 * 5 * 4);
 }
 
+TEST_CASE("session: chunked prefill under the decode-time schedule protects the prefix at every chunk's eviction") {
+    REQUIRE_MODEL_OR_SKIP();
+    const std::vector<int> prompt = text_tokens(31000, 200);
+    for (const method& meth : {policy_method<kvevict::presets::snapkv>("SnapKV"), policy_method<kvevict::presets::tova>("TOVA")}) {
+        CAPTURE(meth.name);
+        session_options o;
+        o.prefill = prefill_mode::chunked;
+        o.chunk = 50;
+        o.decode_interval = 4;
+        o.budget = kvevict::budget_request::tokens(40);
+        o.protect_prefix = 8;
+        eviction_session s(fx().m, fx().wo, meth, o, 100);
+        std::vector<float> logits;
+        const result r = s.prefill(prompt, logits);
+        REQUIRE_MESSAGE(r, r.error);
+        CHECK(s.evictions() == int((prompt.size() + 49) / 50));
+        for (int l = 0; l < s.cache().n_layers(); ++l)
+            for (int h = 0; h < s.cache().n_kv_heads(); ++h)
+                for (int j = 0; j < 8; ++j) CHECK(s.cache().position(l, h, j) == j);
+        CHECK(s.schedule().protected_prefix() == 8);
+    }
+    // decode() before any prefill is refused before it touches the cache
+    session_options o;
+    o.decode_interval = 4;
+    o.budget = kvevict::budget_request::tokens(40);
+    eviction_session s(fx().m, fx().wo, policy_method<kvevict::presets::snapkv>("SnapKV"), o, 100);
+    std::vector<float> logits;
+    CHECK_FALSE(s.decode(5, logits).ok);
+    CHECK(s.cache().next_position == 0);
+}
+
 TEST_CASE("session: multi-turn appends the next prompt to the compressed cache and compresses again") {
     REQUIRE_MODEL_OR_SKIP();
     const std::vector<int> turn1 = text_tokens(40000, 250);

@@ -8,6 +8,7 @@
 #include <kvevict/kvevict.hpp>
 #include <kvevict/schedule/decode.hpp>
 
+#include <cmath>
 #include <random>
 #include <string>
 #include <vector>
@@ -280,6 +281,109 @@ TEST_CASE("decode_schedule: apply() gives LKV-H a cap as the fraction of the tok
   REQUIRE(s.apply(a, p, 0, &b).ok());
   CHECK(b.keep_tokens == 50);
   CHECK(b.keep_fraction == 0.0);
+}
+
+TEST_CASE("decode_schedule: apply() raises a fraction budget to the policy's protected tokens and refuses a cap below them") {
+  decode_schedule s;
+  REQUIRE(s.init(opts(4, budget_request::fraction(0.1))).ok());
+  decode_action a;
+  REQUIRE(s.after_prefill(100, &a).ok());
+  CHECK(a.budget.keep_tokens == 10);
+  budget_request b;
+  auto p = kvevict::presets::snapkv::defaults();
+  REQUIRE(s.apply(a, p, 32, &b).ok());  // no protection: still raised to the 32-query window, as plan_head raises a fraction
+  CHECK(b.keep_tokens == 32);
+  CHECK(p.selector.num_recent == -1);  // params untouched
+  auto st = kvevict::presets::streaming_llm::defaults();
+  REQUIRE(s.apply(a, st, 0, &b).ok());
+  CHECK(b.keep_tokens == 10);  // recent_share: only the 4 sinks are fixed
+  // a cap below what the policy always keeps is an error naming the cap (the evictor refuses it too)
+  decode_schedule c;
+  REQUIRE(c.init(opts(4, budget_request::tokens(8), 0, 6)).ok());
+  REQUIRE(c.after_prefill(100, &a).ok());
+  auto q = kvevict::presets::snapkv::defaults();
+  const auto before = q;
+  const kvevict::status e = c.apply(a, q, 32, &b);
+  CHECK(has(e, "budget.keep_tokens = 8 < the tokens always kept = 32"));
+  CHECK(q.selector.num_recent == before.selector.num_recent);  // unchanged on error
+  CHECK(q.selector.num_sink == before.selector.num_sink);
+  auto sl = kvevict::presets::streaming_llm::defaults();
+  CHECK(has(c.apply(a, sl, 0, &b), "keep_tokens = 8 < the tokens always kept = 10"));  // 4 sinks + 6 recent
+}
+
+TEST_CASE("decode_schedule: apply() refuses actions it did not issue and bad params, changing nothing") {
+  decode_schedule s;
+  decode_action a;
+  budget_request b = budget_request::tokens(77);
+  auto p = kvevict::presets::snapkv::defaults();
+  CHECK(has(s.apply(a, p, 0, &b), "init() first"));
+  REQUIRE(s.init(opts(2, budget_request::tokens(40), 3, 4)).ok());
+  CHECK(has(s.apply(a, p, 0, &b), "no prefill yet"));
+  REQUIRE(s.after_prefill(50, &a).ok());
+  decode_action none = a;
+  none.evict = false;
+  CHECK(has(s.apply(none, p, 0, &b), "asked for no eviction"));
+  CHECK(has(s.apply(a, p, (std::int64_t(1) << 32) + 5, &b), "window = 4294967301"));
+  CHECK(has(s.apply(a, p, -1, &b), "window = -1"));
+  auto bad = p;
+  bad.selector.num_sink = -3;
+  CHECK(has(s.apply(a, bad, 0, &b), "selector.num_sink = -3"));
+  CHECK(bad.selector.num_sink == -3);
+  bad = p;
+  bad.selector.num_recent = -7;
+  CHECK(has(s.apply(a, bad, 0, &b), "selector.num_recent = -7"));
+  bad = p;
+  bad.selector.recent_share = std::nanf("");
+  CHECK(has(s.apply(a, bad, 0, &b), "recent_share is NaN"));
+  CHECK(b.keep_tokens == 77);  // untouched by every refusal
+  // an action of the previous request is refused after reset()
+  const decode_action old = a;
+  s.reset();
+  REQUIRE(s.after_prefill(60, &a).ok());
+  CHECK(has(s.evicted(old), "another request"));
+  CHECK(has(s.apply(old, p, 0, &b), "another request"));
+  CHECK(s.evictions() == 0);
+  // protected tokens above int32 are refused by check()
+  CHECK(has(decode_schedule::check(opts(1, budget_request::fraction(0.5), 1, 2147483647)), "exceeds 2^31 - 1"));
+}
+
+TEST_CASE("decode_schedule: a stale eviction keeps the tokens generated after it pending, across a later prompt") {
+  decode_schedule s;
+  auto o = opts(4, budget_request::tokens(20));
+  o.evict_after_prefill = false;
+  REQUIRE(s.init(o).ok());
+  decode_action a;
+  REQUIRE(s.after_prefill(10, &a).ok());
+  CHECK_FALSE(a.evict);
+  for (int i = 0; i < 4; ++i) REQUIRE(s.after_decode(1, &a).ok());
+  REQUIRE(a.evict);
+  const decode_action a1 = a;  // t = 14, 4 generated
+  for (int i = 0; i < 3; ++i) REQUIRE(s.after_decode(1, &a).ok());
+  REQUIRE(s.after_prefill(5, &a).ok());
+  REQUIRE(s.after_decode(1, &a).ok());
+  REQUIRE(s.evicted(a1).ok());
+  CHECK(s.pending_tokens() == 4);  // the 3 + 1 generated after a1
+  REQUIRE(s.after_decode(1, &a).ok());
+  CHECK(a.evict);  // 5 pending: one period due
+  CHECK(a.periods == 1);
+}
+
+TEST_CASE("decode_schedule: a prompt in chunks protects its first tokens up to protect_prefix") {
+  decode_schedule s;
+  REQUIRE(s.init(opts(4, budget_request::tokens(40), 10, 0)).ok());
+  decode_action a;
+  REQUIRE(s.after_prefill(4, &a).ok());
+  CHECK(s.protected_prefix() == 4);
+  REQUIRE(s.evicted(a).ok());
+  REQUIRE(s.after_prefill(4, &a).ok());
+  CHECK(s.protected_prefix() == 8);
+  REQUIRE(s.evicted(a).ok());
+  REQUIRE(s.after_prefill(4, &a).ok());
+  CHECK(s.protected_prefix() == 10);
+  REQUIRE(s.evicted(a).ok());
+  REQUIRE(s.after_decode(1, &a).ok());
+  REQUIRE(s.after_prefill(4, &a).ok());  // a turn after a generated token does not move it
+  CHECK(s.protected_prefix() == 10);
 }
 
 TEST_CASE("decode_schedule: errors name the field and leave the state unchanged") {

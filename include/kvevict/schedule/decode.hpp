@@ -13,10 +13,13 @@
 //   KVEVICT_TRY(sched.init(opts));                         // at request start (checks opts)
 //   kvevict::decode_action a;
 //   KVEVICT_TRY(sched.after_prefill(prompt_len, &a));      // after the prompt is in the cache
-//   if (a.evict) { evict every layer with a.budget; KVEVICT_TRY(sched.evicted(a)); }
+//   if (a.evict) {                                         // every layer: params and budget from apply()
+//     KVEVICT_TRY(sched.apply(a, params, window_rows, &budget)); run the evictor; compact;
+//     KVEVICT_TRY(sched.evicted(a));
+//   }
 //   for each generated token:
 //     KVEVICT_TRY(sched.after_decode(1, &a));              // after the token's K/V are appended
-//     if (a.evict) { evict with a.budget; KVEVICT_TRY(sched.evicted(a)); }
+//     if (a.evict) { as above }
 //   sched.reset();                                         // at request end (or init() again)
 //
 // An engine that cannot evict when an eviction falls due (a busy batch, a step that appended several
@@ -27,30 +30,37 @@
 //
 // Budget (per KV head, every layer; what budget_request means to the evictor):
 //   keep_tokens B   the cache cap: every eviction brings each head to B tokens (uniform budgeters;
-//                   head-wise budgeters such as AdaKV and LKV-H redistribute H * B over the H heads).
+//                   head-wise budgeters redistribute: AdaKV shares H * B over a layer's H heads,
+//                   LKV-H shares N * B over the model's N heads, PyramidKV's layers hold more or less
+//                   than B around it). A cap below the tokens a policy always keeps (its sinks and
+//                   window, plus the protection below) is an error of apply(), as it is of the evictor.
 //   keep_fraction r a fraction of the tokens seen t (prompt + generated so far): each eviction has the
-//                   per-head budget max(1, floor(r * t)), so the cache grows with the sequence.
-//   Between evictions a head holds at most its budget + interval tokens (+ what the engine appended
-//   while it did not evict); the peak KV memory of a request is therefore budget + interval tokens per
-//   head (docs/decoding.md).
+//                   per-head budget max(1, floor(r * t)), raised to the tokens the policy always keeps
+//                   (as the evictor raises a fraction), so the cache grows with the sequence.
+//   With evict_after_prefill, between evictions a uniform-budget head holds at most its budget +
+//   interval tokens (+ what the engine appended while it did not evict): the peak KV memory of a
+//   request, docs/integration.md "Evicting while generating".
 //
 // Protection (optional; both 0 by default):
-//   protect_prefix P  the first min(P, first prompt length) tokens of the request are never evicted (a
-//                     system prompt, attention sinks). Compaction keeps order, so they stay slots
-//                     0..P-1 of every head and are kept as the selector's sinks.
+//   protect_prefix P  the first min(P, prompt tokens appended before the first generated token) tokens
+//                     of the request are never evicted (a system prompt, attention sinks). Compaction
+//                     keeps order, so they stay slots 0..P-1 of every head and are kept as the
+//                     selector's sinks.
 //   protect_recent R  the R most recent tokens are never evicted (kept as the selector's recent tokens).
 // apply() applies them to a policy's params (any selector with the protection fields of
-// selectors::topk::params: int32 num_sink, int32 num_recent, float recent_share) and raises the budget
-// to hold every protected token, so that every preset can run under one schedule.
+// selectors::topk::params: int32 num_sink, int32 num_recent, float recent_share) and raises a fraction
+// budget to hold every protected token, so that every preset can run under one schedule.
 //
 // Papers: decode-time compression every beta steps as in the kvpress DecodingPress and the "evict while
 // generating" settings of H2O (Zhang et al. 2023), TOVA (Oren et al. 2024) and StreamingLLM (Xiao et al.
 // 2023); the spec's LKV decoding mode B (shared/spec/lkv.md) is this schedule with a fraction budget.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "kvevict/core/selection.hpp"
 #include "kvevict/core/status.hpp"
@@ -74,20 +84,25 @@ struct decode_schedule_options {
   /// Per-head budget: exactly one of keep_tokens >= 1 (a cap) or keep_fraction in (0, 1] (of the
   /// tokens seen at each eviction).
   budget_request budget;
-  /// First tokens of the request never evicted, >= 0 (counted in the first prompt; min with its length).
+  /// First tokens of the request never evicted, >= 0 (counted in the prompt tokens appended before the
+  /// first generated token).
   std::int32_t protect_prefix = 0;
-  /// Most recent tokens never evicted, >= 0.
+  /// Most recent tokens never evicted, >= 0. protect_prefix + protect_recent <= 2^31 - 1.
   std::int32_t protect_recent = 0;
   /// Evict right after every prefill (after_prefill) as well: the prompt is compressed at once.
   /// false: the prompt stays whole until the first due decode-time eviction.
   bool evict_after_prefill = true;
 };
 
-/// What the schedule asks of the engine after a prefill or a decode step.
+/// What the schedule asks of the engine after a prefill or a decode step. Pass it back unchanged to
+/// apply() and evicted().
 struct decode_action {
   bool evict = false;              ///< run an eviction of every layer now (then call evicted())
-  std::int64_t periods = 0;        ///< due decode intervals this eviction serves (0: a prefill eviction)
+  std::int64_t periods = 0;        ///< full decode intervals pending, served by this eviction (0: none, e.g.
+                                   ///< an eviction only for a prompt just appended)
   std::int64_t tokens_seen = 0;    ///< t: tokens of the request so far (prompts + generated)
+  std::int64_t generated = 0;      ///< generated tokens of the request so far
+  std::uint64_t request = 0;       ///< the request (init() / reset() count) the action belongs to
   budget_request budget;           ///< per-head budget of this eviction, as keep_tokens (resolved at t)
 };
 
@@ -96,15 +111,18 @@ struct decode_action {
 class decode_schedule {
  public:
   /// Validates options. Errors (errc::invalid_argument, naming the field and value): interval < 1,
-  /// protect_prefix / protect_recent < 0, a budget with neither or both of keep_tokens / keep_fraction,
-  /// keep_tokens < 1, keep_fraction outside (0, 1], keep_tokens < protect_prefix + protect_recent (the
-  /// cap could not hold the protected tokens).
+  /// protect_prefix / protect_recent < 0 or their sum above 2^31 - 1, a budget with neither or both of
+  /// keep_tokens / keep_fraction, keep_tokens < 1, keep_fraction outside (0, 1] (NaN included),
+  /// keep_tokens < protect_prefix + protect_recent (the cap could not hold the protected tokens).
   static status check(const decode_schedule_options& o) {
     if (o.interval < 1) return status::error(errc::invalid_argument, "decode_schedule: interval = %d must be >= 1", o.interval);
     if (o.protect_prefix < 0)
       return status::error(errc::invalid_argument, "decode_schedule: protect_prefix = %d must be >= 0", o.protect_prefix);
     if (o.protect_recent < 0)
       return status::error(errc::invalid_argument, "decode_schedule: protect_recent = %d must be >= 0", o.protect_recent);
+    if (std::int64_t(o.protect_prefix) + o.protect_recent > std::numeric_limits<std::int32_t>::max())
+      return status::error(errc::invalid_argument, "decode_schedule: protect_prefix + protect_recent = %d + %d exceeds 2^31 - 1",
+                           o.protect_prefix, o.protect_recent);
     const bool tok = o.budget.keep_tokens != 0, frac = o.budget.keep_fraction != 0.0;
     if (tok == frac)
       return status::error(errc::invalid_argument, "decode_schedule: budget must set exactly one of keep_tokens (%d) and keep_fraction (%g)",
@@ -131,25 +149,31 @@ class decode_schedule {
   }
 
   /// Back to the start of a request (t = 0, nothing pending, counters 0); the options stay. Call at
-  /// request end: a schedule carries nothing from one request to the next.
+  /// request end: a schedule carries nothing from one request to the next, and actions of the
+  /// previous request are refused by evicted() and apply().
   void reset() {
     t_ = 0;
+    gen_ = 0;
     since_ = 0;
     last_evict_t_ = 0;
     last_prefill_t_ = 0;
-    prefix_ = -1;
+    prefix_ = 0;
     evictions_ = 0;
     pending_prefill_ = false;
+    prefilled_ = false;
+    ++request_;
   }
 
-  /// The engine appended `tokens` prompt tokens (a prompt, or the next turn of a multi-turn request).
-  /// *out: evict (with the budget at the new t) when evict_after_prefill, else no eviction. Errors
-  /// (state unchanged): not init()ed, tokens < 1, null out, t overflowing int32 budgets.
+  /// The engine appended `tokens` prompt tokens (a prompt, a chunk of one, or the next turn of a
+  /// multi-turn request). *out: evict when evict_after_prefill (with the budget at the new t), or when
+  /// decode periods are pending (periods >= 1); else no eviction. Errors (state unchanged): not
+  /// init()ed, tokens < 1, null out, t overflowing int32 (a cache position).
   status after_prefill(std::int64_t tokens, decode_action* out) {
     KVEVICT_TRY(check_step("after_prefill", tokens, out));
-    if (prefix_ < 0) prefix_ = tokens < opt_.protect_prefix ? tokens : opt_.protect_prefix;
     t_ += tokens;
+    if (gen_ == 0) prefix_ = t_ < opt_.protect_prefix ? t_ : opt_.protect_prefix;  // before the first generated token
     last_prefill_t_ = t_;
+    prefilled_ = true;
     pending_prefill_ = pending_prefill_ || opt_.evict_after_prefill;
     *out = action();
     return {};
@@ -161,96 +185,101 @@ class decode_schedule {
   /// Errors (state unchanged): not init()ed, no prefill yet, tokens < 1, null out, t overflowing.
   status after_decode(std::int64_t tokens, decode_action* out) {
     KVEVICT_TRY(check_step("after_decode", tokens, out));
-    if (prefix_ < 0) return status::error(errc::invalid_argument, "decode_schedule::after_decode: no prefill yet (call after_prefill first)");
+    if (!prefilled_) return status::error(errc::invalid_argument, "decode_schedule::after_decode: no prefill yet (call after_prefill first)");
     t_ += tokens;
+    gen_ += tokens;
     since_ += tokens;
     *out = action();
     return {};
   }
 
   /// The engine ran the eviction `a` (returned by after_prefill / after_decode, with a.evict): the tokens
-  /// generated after a.tokens_seen stay pending (and a prefill eviction, when a prompt was appended after
-  /// it). Errors (state unchanged): a.evict false, a from the future (a.tokens_seen > tokens_seen()) or
-  /// not after the last reported eviction, not init()ed.
+  /// generated after `a` stay pending (and a prefill eviction, when a prompt was appended after it).
+  /// Errors (state unchanged): not init()ed, a.evict false, `a` of another request (before reset()),
+  /// from the future (a.tokens_seen > tokens_seen()) or not after the last reported eviction.
   status evicted(const decode_action& a) {
-    if (!ready_) return status::error(errc::invalid_argument, "decode_schedule::evicted: init() first");
-    if (!a.evict) return status::error(errc::invalid_argument, "decode_schedule::evicted: the action asked for no eviction");
-    if (a.tokens_seen > t_ || a.tokens_seen <= last_evict_t_)
-      return status::error(errc::invalid_argument,
-                           "decode_schedule::evicted: action.tokens_seen = %lld is not in (%lld, %lld] (after the last eviction, "
-                           "at most the tokens seen)",
-                           static_cast<long long>(a.tokens_seen), static_cast<long long>(last_evict_t_), static_cast<long long>(t_));
-    if (last_prefill_t_ > a.tokens_seen) {  // a prompt arrived after the action: its eviction is still due
-      since_ = t_ - last_prefill_t_;
-    } else {
-      since_ = t_ - a.tokens_seen;
-      pending_prefill_ = false;
-    }
+    KVEVICT_TRY(check_action("evicted", a));
+    if (last_prefill_t_ <= a.tokens_seen) pending_prefill_ = false;  // else a later prompt's eviction is still due
+    since_ = gen_ - a.generated;
     last_evict_t_ = a.tokens_seen;
     ++evictions_;
     return {};
   }
 
-  /// Applies the schedule to a policy's params `p` for the eviction `a` and returns the budget to run
-  /// it with: the protection below, and for a budgeter with num_tokens / num_layers / kv_heads fields
-  /// (LKV-H: budgeters::headwise_learned, whose heads are ragged after the first eviction) num_tokens =
-  /// a.tokens_seen (the t of its global budgets) and the cap B < t given as the keep_fraction
-  /// (N B + 1/2) / (N t), N = num_layers * kv_heads, whose B_total = floor(fraction * N t) is exactly
-  /// N * B (so that heads of at most B tokens do not pass through above their learned budget). `window` = the query rows (observation window) the engine passes to the
-  /// evictor (a selector with num_recent = -1 protects that many recent tokens). Sets
-  /// num_sink = max(num_sink, protected prefix); the recent tokens become max(the policy's, protect_recent)
-  /// (a recent_share policy, H2O / StreamingLLM, keeps its share when it already covers protect_recent,
-  /// else it protects exactly protect_recent); *budget = a.budget raised to the protected tokens, as a
-  /// fraction budget is raised by plan_head (a keep_tokens cap holds them by check()). Without
-  /// protection, p is unchanged and *budget = a.budget. `Params`: an eviction_policy's params (its
-  /// .selector has the topk protection fields). Errors: null budget, window < 0.
+  /// Applies the schedule to a policy's params `p` for the eviction `a` and returns in *budget the
+  /// budget to run it with. `window` = the query rows (observation window) the engine passes to the
+  /// evictor, 0..2^31-1 (a selector with num_recent = -1 protects that many recent tokens).
+  ///  - Protection: num_sink = max(num_sink, the protected prefix); the recent tokens become
+  ///    max(the policy's, protect_recent) (a recent_share policy, H2O / StreamingLLM, keeps its share
+  ///    when it already covers protect_recent, else it protects exactly protect_recent).
+  ///  - Budget: a.budget. A fraction budget (resolved in a.budget to floor(r * t)) is raised to the tokens
+  ///    the policy always keeps (sinks + fixed recent tokens), as the evictor raises a fraction; a cap
+  ///    below them is an error.
+  ///  - A budgeter with num_tokens / num_layers / kv_heads fields (LKV-H: budgeters::headwise_learned,
+  ///    whose heads are ragged after the first eviction): num_tokens = a.tokens_seen (the t of its
+  ///    global budgets), and a budget B < t is given as keep_fraction (N B + 1/2) / (N t), N =
+  ///    num_layers * kv_heads, whose B_total = floor(fraction * N t) is exactly N * B (a token budget
+  ///    would let heads of at most B tokens pass through whole, above their learned budgets).
+  /// `Params`: an eviction_policy's params (its .selector has the topk protection fields). Errors
+  /// (p and *budget unchanged): null budget, window outside 0..2^31-1, not init()ed, no prefill yet,
+  /// `a` not an eviction of this request (a.evict false, another request, a.tokens_seen outside
+  /// (last eviction, tokens_seen()]), invalid selector protection fields (num_sink < 0, num_recent < -1,
+  /// NaN recent_share), a cap below the protected tokens, protected tokens above 2^31 - 1.
   template <class Params>
   status apply(const decode_action& a, Params& p, std::int64_t window, budget_request* budget) const {
     if (!budget) return status::error(errc::null_pointer, "decode_schedule::apply: budget is null");
-    if (window < 0) return status::error(errc::invalid_argument, "decode_schedule::apply: window = %lld must be >= 0", static_cast<long long>(window));
-    *budget = a.budget;
-    const std::int64_t prefix = prefix_ > 0 ? prefix_ : 0, R = opt_.protect_recent;
-    if (prefix > 0 || R > 0) protect(p, window, budget);
-    if constexpr (detail::has_num_tokens<decltype(p.budgeter)>::value) {
-      // LKV-H: t = the tokens seen, and a cap B < t as the fraction of t whose total is exactly
-      // N * B (floor((N B + 1/2) / (N t) * N t) = N B): a keep_tokens cap would let every head with
-      // at most B tokens pass through whole, above its learned budget, once heads are ragged.
-      p.budgeter.num_tokens = static_cast<decltype(p.budgeter.num_tokens)>(a.tokens_seen);
-      const std::int64_t n = static_cast<std::int64_t>(p.budgeter.num_layers) * p.budgeter.kv_heads, B = budget->keep_tokens;
-      if (n > 0 && B < a.tokens_seen) {
-        budget->keep_fraction = (static_cast<double>(B) * static_cast<double>(n) + 0.5) / (static_cast<double>(n) * static_cast<double>(a.tokens_seen));
-        budget->keep_tokens = 0;
+    if (window < 0 || window > std::numeric_limits<std::int32_t>::max())
+      return status::error(errc::invalid_argument, "decode_schedule::apply: window = %lld must be in 0..2^31-1 (query rows)",
+                           static_cast<long long>(window));
+    KVEVICT_TRY(check_action("apply", a));
+    const auto& sp = p.selector;
+    if (sp.num_sink < 0) return status::error(errc::invalid_argument, "decode_schedule::apply: selector.num_sink = %d must be >= 0", int(sp.num_sink));
+    if (sp.num_recent < -1)
+      return status::error(errc::invalid_argument, "decode_schedule::apply: selector.num_recent = %d must be >= -1", int(sp.num_recent));
+    if (std::isnan(sp.recent_share)) return status::error(errc::invalid_argument, "decode_schedule::apply: selector.recent_share is NaN");
+    Params q = p;
+    auto& s = q.selector;
+    const std::int64_t R = opt_.protect_recent;
+    std::int64_t B = a.budget.keep_tokens;
+    if (prefix_ > s.num_sink) s.num_sink = static_cast<decltype(s.num_sink)>(prefix_);
+    if (R > 0) {
+      if (s.recent_share >= 0.0f) {
+        const std::int64_t free = B - s.num_sink;
+        const std::int64_t share = free > 0 ? static_cast<std::int64_t>(static_cast<double>(s.recent_share) * static_cast<double>(free)) : 0;
+        if (share < R) {
+          s.recent_share = -1.0f;
+          s.num_recent = static_cast<decltype(s.num_recent)>(R);
+        }
+      } else {
+        const std::int64_t own = s.num_recent >= 0 ? s.num_recent : window;
+        s.num_recent = static_cast<decltype(s.num_recent)>(own > R ? own : R);
       }
     }
+    const std::int64_t fixed = s.recent_share >= 0.0f ? 0 : (s.num_recent >= 0 ? s.num_recent : window);
+    const std::int64_t need = static_cast<std::int64_t>(s.num_sink) + fixed;
+    if (need > std::numeric_limits<std::int32_t>::max())
+      return status::error(errc::invalid_argument, "decode_schedule::apply: protected tokens %lld (sinks %d + recent %lld) exceed 2^31 - 1",
+                           static_cast<long long>(need), int(s.num_sink), static_cast<long long>(fixed));
+    if (B < need) {
+      if (opt_.budget.keep_tokens > 0)
+        return status::error(errc::invalid_argument,
+                             "decode_schedule::apply: budget.keep_tokens = %lld < the tokens always kept = %lld (sinks %d + recent %lld: "
+                             "the policy's and protect_prefix / protect_recent); raise the cap",
+                             static_cast<long long>(B), static_cast<long long>(need), int(s.num_sink), static_cast<long long>(fixed));
+      B = need;
+    }
+    budget_request b = budget_request::tokens(static_cast<std::int32_t>(B));
+    if constexpr (detail::has_num_tokens<decltype(q.budgeter)>::value) {
+      q.budgeter.num_tokens = static_cast<decltype(q.budgeter.num_tokens)>(a.tokens_seen);
+      const std::int64_t n = static_cast<std::int64_t>(q.budgeter.num_layers) * q.budgeter.kv_heads;
+      if (n > 0 && B < a.tokens_seen)
+        b = budget_request::fraction((static_cast<double>(B) * static_cast<double>(n) + 0.5) /
+                                     (static_cast<double>(n) * static_cast<double>(a.tokens_seen)));
+    }
+    p = q;
+    *budget = b;
     return {};
   }
-
- private:
-  template <class Params>
-  void protect(Params& p, std::int64_t window, budget_request* budget) const {
-    const std::int64_t prefix = prefix_ > 0 ? prefix_ : 0, R = opt_.protect_recent;
-    auto& s = p.selector;
-    if (prefix > s.num_sink) s.num_sink = static_cast<decltype(s.num_sink)>(prefix);
-    std::int64_t B = budget->keep_tokens;
-    if (s.recent_share >= 0.0f) {
-      const std::int64_t free = B - s.num_sink;
-      const std::int64_t share = free > 0 ? static_cast<std::int64_t>(static_cast<double>(s.recent_share) * static_cast<double>(free)) : 0;
-      if (share < R) {
-        s.recent_share = -1.0f;
-        s.num_recent = static_cast<decltype(s.num_recent)>(R);
-      }
-    } else {
-      const std::int64_t own = s.num_recent >= 0 ? s.num_recent : window;
-      s.num_recent = static_cast<decltype(s.num_recent)>(own > R ? own : R);
-    }
-    const std::int64_t fixed = s.recent_share >= 0.0f ? 0 : s.num_recent;
-    const std::int64_t need = s.num_sink + fixed;
-    if (B < need) B = need;
-    budget->keep_tokens = static_cast<std::int32_t>(B);
-    budget->keep_fraction = 0.0;
-  }
-
- public:
 
   const decode_schedule_options& options() const { return opt_; }
   bool initialized() const { return ready_; }
@@ -258,13 +287,15 @@ class decode_schedule {
   std::int64_t tokens_seen() const { return t_; }
   /// Generated tokens since the last eviction the engine reported (evicted()).
   std::int64_t pending_tokens() const { return since_; }
-  /// The protected prefix of this request (min(protect_prefix, first prompt length); 0 before a prefill).
-  std::int64_t protected_prefix() const { return prefix_ > 0 ? prefix_ : 0; }
+  /// The protected prefix of this request (min(protect_prefix, prompt tokens before the first generated
+  /// token); 0 before a prefill).
+  std::int64_t protected_prefix() const { return prefix_; }
   /// Evictions reported since init() / reset().
   std::int64_t evictions() const { return evictions_; }
-  /// Per-head budget at t tokens seen (keep_tokens B, or max(1, floor(keep_fraction * t)) capped at 2^31-1).
+  /// Per-head budget at t >= 0 tokens seen: keep_tokens B, or max(1, floor(keep_fraction * t)) capped at
+  /// 2^31 - 1 (before init(): the default options' budget, 0).
   std::int64_t budget_at(std::int64_t t) const {
-    if (opt_.budget.keep_tokens > 0) return opt_.budget.keep_tokens;
+    if (opt_.budget.keep_tokens > 0 || !(opt_.budget.keep_fraction > 0.0)) return opt_.budget.keep_tokens;
     double b = opt_.budget.keep_fraction * static_cast<double>(t);
     if (!(b < 2147483647.0)) b = 2147483647.0;
     const std::int64_t k = static_cast<std::int64_t>(b);
@@ -281,9 +312,27 @@ class decode_schedule {
                            static_cast<long long>(t_), static_cast<long long>(tokens));
     return {};
   }
+  status check_action(const char* fn, const decode_action& a) const {
+    if (!ready_) return status::error(errc::invalid_argument, "decode_schedule::%s: init() first", fn);
+    if (!prefilled_) return status::error(errc::invalid_argument, "decode_schedule::%s: no prefill yet", fn);
+    if (!a.evict) return status::error(errc::invalid_argument, "decode_schedule::%s: the action asked for no eviction", fn);
+    if (a.request != request_)
+      return status::error(errc::invalid_argument, "decode_schedule::%s: the action belongs to another request (before reset())", fn);
+    if (a.tokens_seen > t_ || a.tokens_seen <= last_evict_t_ || a.generated > gen_ || a.generated < 0)
+      return status::error(errc::invalid_argument,
+                           "decode_schedule::%s: action.tokens_seen = %lld is not in (%lld, %lld] (after the last eviction, at most "
+                           "the tokens seen)",
+                           fn, static_cast<long long>(a.tokens_seen), static_cast<long long>(last_evict_t_), static_cast<long long>(t_));
+    if (a.budget.keep_tokens < 1)
+      return status::error(errc::invalid_argument, "decode_schedule::%s: action.budget.keep_tokens = %d is not a resolved budget", fn,
+                           a.budget.keep_tokens);
+    return {};
+  }
   decode_action action() const {
     decode_action a;
     a.tokens_seen = t_;
+    a.generated = gen_;
+    a.request = request_;
     a.periods = since_ / opt_.interval;
     a.evict = pending_prefill_ || a.periods > 0;
     a.budget = budget_request::tokens(static_cast<std::int32_t>(budget_at(t_)));
@@ -291,9 +340,9 @@ class decode_schedule {
   }
 
   decode_schedule_options opt_{};
-  bool ready_ = false;
-  bool pending_prefill_ = false;
-  std::int64_t t_ = 0, since_ = 0, prefix_ = -1, evictions_ = 0, last_evict_t_ = 0, last_prefill_t_ = 0;
+  bool ready_ = false, prefilled_ = false, pending_prefill_ = false;
+  std::int64_t t_ = 0, gen_ = 0, since_ = 0, prefix_ = 0, evictions_ = 0, last_evict_t_ = 0, last_prefill_t_ = 0;
+  std::uint64_t request_ = 0;
 };
 
 }  // namespace kvevict
