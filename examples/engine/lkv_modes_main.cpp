@@ -21,6 +21,7 @@
 #include "forward.hpp"
 #include "lkv_decode.hpp"
 #include "model_path.hpp"
+#include "report_util.hpp"
 #include "tokenizer.hpp"
 
 #include <chrono>
@@ -70,57 +71,6 @@ int usage(const char* argv0, const std::string& why) {
     return 2;
 }
 
-bool parse_int(const std::string& s, int lo, int hi, int& out) {
-    char* end = nullptr;
-    const long v = std::strtol(s.c_str(), &end, 10);
-    if (end == s.c_str() || *end != '\0' || v < lo || v > hi) return false;
-    out = int(v);
-    return true;
-}
-
-std::vector<std::string> split(const std::string& s) {
-    std::vector<std::string> out;
-    std::stringstream ss(s);
-    std::string item;
-    while (std::getline(ss, item, ','))
-        if (!item.empty()) out.push_back(item);
-    return out;
-}
-
-/// The fidelity report's excerpt rule (examples/fidelity/fidelity_main.cpp make_prompts): `n` excerpts of
-/// `tokens` tokens, starts at (len - chars) * (2i + 1) / (2n), chars = 3 * tokens + 64, moved to the next
-/// paragraph; newlines become spaces.
-result make_excerpts(const tokenizer& tok, const std::string& text, int n, int tokens, std::vector<std::vector<int>>& out) {
-    out.clear();
-    const size_t chars = size_t(tokens) * 3 + 64;
-    if (text.size() < chars * 2) return result::failure("text too short for excerpts");
-    for (int i = 0; i < n; ++i) {
-        size_t start = (text.size() - chars) * size_t(2 * i + 1) / size_t(2 * n);
-        const size_t para = text.find("\n\n", start);
-        if (para != std::string::npos && para + chars < text.size()) start = para;
-        while (start < text.size() && (text[start] == '\n' || text[start] == ' ')) ++start;
-        std::string piece = text.substr(start, chars);
-        for (char& ch : piece)
-            if (ch == '\n') ch = ' ';
-        std::vector<int> t = tok.encode(piece);
-        if (int(t.size()) < tokens) return result::failure("excerpt " + std::to_string(i) + " has only " + std::to_string(t.size()) + " tokens");
-        t.resize(size_t(tokens));
-        out.push_back(std::move(t));
-    }
-    return result::success();
-}
-
-std::vector<double> log_softmax(const std::vector<float>& x) {
-    double mx = -std::numeric_limits<double>::infinity();
-    for (float v : x) mx = std::max(mx, double(v));
-    double s = 0;
-    for (float v : x) s += std::exp(double(v) - mx);
-    const double lse = mx + std::log(s);
-    std::vector<double> out(x.size());
-    for (size_t i = 0; i < x.size(); ++i) out[i] = double(x[i]) - lse;
-    return out;
-}
-
 struct run_metrics {
     double kl = 0, kl_first = 0, kl_second = 0, top1 = 0;
     std::int64_t peak_prefill = 0, peak_decode = 0, final_tokens = 0;
@@ -165,31 +115,15 @@ int main(int argc, char** argv) {
         opt.fractions = {0.2};
         opt.intervals = {1, 4};
     }
-    if (!fractions_flag.empty()) {
-        opt.fractions.clear();
-        for (const std::string& f : split(fractions_flag)) {
-            char* end = nullptr;
-            const double x = std::strtod(f.c_str(), &end);
-            if (end == f.c_str() || *end != '\0' || !(x > 0 && x <= 1)) return usage(argv[0], "--fractions: '" + f + "' is not in (0, 1]");
-            opt.fractions.push_back(x);
-        }
-    }
-    if (!intervals_flag.empty()) {
-        opt.intervals.clear();
-        for (const std::string& f : split(intervals_flag)) {
-            int s = 0;
-            if (!parse_int(f, 1, 1 << 20, s)) return usage(argv[0], "--intervals: '" + f + "' is not an integer >= 1");
-            opt.intervals.push_back(s);
-        }
-    }
+    std::string bad;
+    if (!fractions_flag.empty() && !parse_fraction_list(fractions_flag, opt.fractions, bad))
+        return usage(argv[0], "--fractions: '" + bad + "' is not in (0, 1]");
+    if (!intervals_flag.empty() && !parse_int_list(intervals_flag, 1, 1 << 20, opt.intervals, bad))
+        return usage(argv[0], "--intervals: '" + bad + "' is not an integer >= 1");
     Eigen::setNbThreads(1);
 
     const std::string mdir = resolve_model_dir(opt.model_flag);
-    std::string ddir = opt.data_flag;
-    if (ddir.empty()) {
-        const char* e = std::getenv("KVEVICT_DATA_DIR");
-        ddir = e && *e ? std::string(e) : std::string(KVEVICT_SOURCE_DIR) + "/../shared/data/text";
-    }
+    const std::string ddir = resolve_data_dir(opt.data_flag);
     const char* env_art = std::getenv("KVEVICT_LKV_ARTIFACT");
     const std::string art_path = !opt.artifact_flag.empty() ? opt.artifact_flag
                                  : env_art && *env_art ? std::string(env_art) : std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/stories260K.lkv";
@@ -222,7 +156,7 @@ int main(int argc, char** argv) {
     std::ifstream tf(text_path, std::ios::binary);
     const std::string text((std::istreambuf_iterator<char>(tf)), std::istreambuf_iterator<char>());
     std::vector<std::vector<int>> excerpts;
-    if (result r = make_excerpts(tok, text, opt.prompts, opt.prompt_tokens + opt.steps, excerpts); !r) {
+    if (result r = make_prompts(tok, text, opt.prompts, opt.prompt_tokens + opt.steps, excerpts); !r) {
         std::fprintf(stderr, "error: %s\n", r.error.c_str());
         return 1;
     }

@@ -28,7 +28,7 @@
 #include "lkv_decode.hpp"
 #include "methods.hpp"
 #include "model_path.hpp"
-#include "report_common.hpp"
+#include "report_util.hpp"
 #include "tokenizer.hpp"
 
 #include <kvevict/backends/cpu/learned.hpp>
@@ -203,25 +203,11 @@ int main(int argc, char** argv) {
         if (opt.only.empty()) opt.only = "SnapKV,StreamingLLM,LKV mode A,LKV mode B,LKV mode B+r8";
     }
     if (!prompts_flag.empty() && !parse_int(prompts_flag, 1, 64, opt.prompts)) return usage(argv[0], "--prompts needs 1..64, got '" + prompts_flag + "'");
-    if (!keeps_flag.empty()) {
-        opt.keeps.clear();
-        for (const std::string& k : split(keeps_flag)) {
-            char* end = nullptr;
-            const double x = std::strtod(k.c_str(), &end);
-            if (end == k.c_str() || *end != '\0' || !(x > 0.0 && x <= 1.0)) return usage(argv[0], "--keeps: '" + k + "' is not in (0, 1]");
-            opt.keeps.push_back(x);
-        }
-        if (opt.keeps.empty()) return usage(argv[0], "--keeps is empty");
-    }
-    if (!intervals_flag.empty()) {
-        opt.intervals.clear();
-        for (const std::string& k : split(intervals_flag)) {
-            int b = 0;
-            if (!parse_int(k, 1, 1 << 20, b)) return usage(argv[0], "--intervals: '" + k + "' is not an integer >= 1");
-            opt.intervals.push_back(b);
-        }
-        if (opt.intervals.empty()) return usage(argv[0], "--intervals is empty");
-    }
+    std::string bad;
+    if (!keeps_flag.empty() && !parse_fraction_list(keeps_flag, opt.keeps, bad))
+        return usage(argv[0], bad.empty() ? "--keeps is empty" : "--keeps: '" + bad + "' is not in (0, 1]");
+    if (!intervals_flag.empty() && !parse_int_list(intervals_flag, 1, 1 << 20, opt.intervals, bad))
+        return usage(argv[0], bad.empty() ? "--intervals is empty" : "--intervals: '" + bad + "' is not an integer >= 1");
 
     Eigen::setNbThreads(1);
     const auto t0 = std::chrono::steady_clock::now();

@@ -24,7 +24,7 @@
 #include "evict.hpp"
 #include "methods.hpp"
 #include "model_path.hpp"
-#include "report_common.hpp"
+#include "report_util.hpp"
 #include "tokenizer.hpp"
 
 #include <chrono>
@@ -42,11 +42,6 @@
 #include <vector>
 
 using namespace kvevict_engine;
-using kvevict_fidelity::log_softmax;
-using kvevict_fidelity::make_prompts;
-using kvevict_fidelity::parse_int;
-using kvevict_fidelity::resolve_data_dir;
-using kvevict_fidelity::split;
 
 namespace {
 
@@ -469,22 +464,19 @@ int main(int argc, char** argv) {
     if (!fractions_flag.empty() && !budgets_flag.empty()) return usage(argv[0], "give --fractions or --budgets, not both");
     if (!fractions_flag.empty()) {
         opt.budgets.clear();
-        for (const std::string& f : split(fractions_flag)) {
-            char* end = nullptr;
-            const double x = std::strtod(f.c_str(), &end);
-            if (end == f.c_str() || *end != '\0' || !(x > 0.0 && x <= 1.0)) return usage(argv[0], "--fractions: '" + f + "' is not in (0, 1]");
-            opt.budgets.push_back({x, 0});
-        }
-        if (opt.budgets.empty()) return usage(argv[0], "--fractions is empty");
+        std::vector<double> fr;
+        std::string bad;
+        if (!parse_fraction_list(fractions_flag, fr, bad))
+            return usage(argv[0], bad.empty() ? "--fractions is empty" : "--fractions: '" + bad + "' is not in (0, 1]");
+        for (double x : fr) opt.budgets.push_back({x, 0});
     }
     if (!budgets_flag.empty()) {
         opt.budgets.clear();
-        for (const std::string& b : split(budgets_flag)) {
-            int n = 0;
-            if (!parse_int(b, 1, 1 << 20, n)) return usage(argv[0], "--budgets: '" + b + "' is not a token count in 1..1048576");
-            opt.budgets.push_back({0.0, n});
-        }
-        if (opt.budgets.empty()) return usage(argv[0], "--budgets is empty");
+        std::vector<int> bt;
+        std::string bad;
+        if (!parse_int_list(budgets_flag, 1, 1 << 20, bt, bad))
+            return usage(argv[0], bad.empty() ? "--budgets is empty" : "--budgets: '" + bad + "' is not a token count in 1..1048576");
+        for (int n : bt) opt.budgets.push_back({0.0, n});
     }
     if (!opt.prompt_file.empty() && (opt.text_continuation || !opt.text_flag.empty() || !prompts_flag.empty()))
         return usage(argv[0], "--prompt-file gives the prompts (and continuations): no --text, --prompts or --continuation with it");

@@ -1,9 +1,10 @@
-// Shared by the report programs of examples/fidelity (kvevict_fidelity, kvevict_decoding): the text
-// folder, command-line helpers, the excerpt rule (starts spread evenly over the text, each moved to the
-// next paragraph start) and the fp64 log-softmax the KL figures are computed from.
+// Shared by the engine's report programs (examples/fidelity: kvevict_fidelity, kvevict_decoding;
+// examples/engine: kvevict_lkv_modes): the text folder, command-line helpers, the excerpt rule (starts
+// spread evenly over the text, each moved to the next paragraph start) and the fp64 log-softmax the KL
+// figures are computed from.
 #pragma once
 
-#include "evict.hpp"
+#include "model.hpp"
 #include "tokenizer.hpp"
 
 #include <algorithm>
@@ -14,10 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace kvevict_fidelity {
-
-using kvevict_engine::result;
-using kvevict_engine::tokenizer;
+namespace kvevict_engine {
 
 /// Text folder: --data DIR, else $KVEVICT_DATA_DIR, else KVEVICT_SOURCE_DIR/../shared/data/text, else
 /// ../shared/data/text.
@@ -95,4 +93,36 @@ inline double kl_divergence(const std::vector<double>& lp, const std::vector<dou
     return std::max(kl, 0.0);
 }
 
-}  // namespace kvevict_fidelity
+/// A comma-separated list of numbers in (0, 1] (--fractions); false on an empty list or a bad item
+/// (`bad` gets it).
+inline bool parse_fraction_list(const std::string& s, std::vector<double>& out, std::string& bad) {
+    out.clear();
+    for (const std::string& f : split(s)) {
+        char* end = nullptr;
+        const double x = std::strtod(f.c_str(), &end);
+        if (end == f.c_str() || *end != '\0' || !(x > 0.0 && x <= 1.0)) {
+            bad = f;
+            return false;
+        }
+        out.push_back(x);
+    }
+    bad.clear();
+    return !out.empty();
+}
+
+/// A comma-separated list of integers in [lo, hi] (--intervals, --budgets); false as parse_fraction_list.
+inline bool parse_int_list(const std::string& s, int lo, int hi, std::vector<int>& out, std::string& bad) {
+    out.clear();
+    for (const std::string& f : split(s)) {
+        int v = 0;
+        if (!parse_int(f, lo, hi, v)) {
+            bad = f;
+            return false;
+        }
+        out.push_back(v);
+    }
+    bad.clear();
+    return !out.empty();
+}
+
+}  // namespace kvevict_engine
