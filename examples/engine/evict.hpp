@@ -180,16 +180,22 @@ inline result apply_selection(kv_cache& cache, int layer, const std::int32_t* in
 /// queries of s.queries (window < 0: all held, as H2O wants; 0: none), wo_factor = s.wo's view when
 /// non-null, wo = the model's W_O of the layer for scorers that read it (CriticalKV), layer_idx /
 /// num_layers from the model.
-/// Errors (cache unchanged): null state fields, gqa_reduction::per_query_head (cannot compact a KV cache
-/// in place), and every kvevict error (message kept, e.g. a budget below the protected window).
+/// A cache repeated to q_heads heads (kv_cache::kv_repeat() == kv_group(), method::repeat_kv) is one cache
+/// head per query head: kvevict then sees GQA group 1, and gqa_reduction::per_query_head (one selection
+/// per query head, the reference code's form) fits it row for row.
+/// Errors (cache unchanged): null state fields, gqa_reduction::per_query_head on a cache with fewer heads
+/// than query heads (its selections have q_heads rows; a GQA-native cache has kv_heads), and every kvevict
+/// error (message kept, e.g. a budget below the protected window).
 template <class Policy>
 result evict_layer(const layer_state& s, const typename Policy::params& p, int window = 32,
                    std::int64_t* kept_tokens = nullptr) {
     if (!s.m || !s.cache) return result::failure("evict_layer: layer_state.m and .cache must be set");
-    if (p.gqa == kvevict::gqa_reduction::per_query_head)
-        return result::failure("evict_layer: gqa = per_query_head selects per query head; an in-place KV-head cache needs kv_heads rows");
     kv_cache& c = *s.cache;
     const config& cfg = s.m->cfg;
+    if (p.gqa == kvevict::gqa_reduction::per_query_head && c.n_kv_heads() != cfg.n_heads)
+        return result::failure("evict_layer: gqa = per_query_head selects one row per query head (" + std::to_string(cfg.n_heads) +
+                               "); this cache has " + std::to_string(c.n_kv_heads()) +
+                               " heads: repeat it to q_heads (kv_cache kv_repeat = kv_group, method::repeat_kv)");
     if (s.layer < 0 || s.layer >= c.n_layers())
         return result::failure("evict_layer: layer " + std::to_string(s.layer) + " outside 0.." + std::to_string(c.n_layers() - 1));
     const int l = s.layer, H = c.n_kv_heads();
@@ -238,14 +244,21 @@ struct method {
     /// True when `evict` needs layer_state::next_query / next_key / next_value (oracles); such methods
     /// cannot run in eviction_session, which has no look-ahead.
     bool needs_lookahead = false;
+    /// True when the method runs on a cache repeated to q_heads heads (kv_cache kv_repeat = kv_group: one
+    /// cache head per query head, kv_group times the KV memory), as the reference code of ReST-KV, SnapKV
+    /// and AdaKV does; eviction_session and the fidelity report then build such a cache. policy_method()
+    /// sets it for params with gqa_reduction::per_query_head.
+    bool repeat_kv = false;
 };
 
 /// A method running kvevict preset/policy `Policy` with params `p` (the papers' defaults by default).
+/// p.gqa == gqa_reduction::per_query_head makes a repeat_kv method (its cache is repeated to q_heads).
 template <class Policy>
 method policy_method(std::string name, typename Policy::params p = Policy::defaults(), int window = 32) {
     method m;
     m.name = std::move(name);
     m.window = window;
+    m.repeat_kv = p.gqa == kvevict::gqa_reduction::per_query_head;
     m.evict = [p, window](const layer_state& s) { return evict_layer<Policy>(s, p, window); };
     return m;
 }
@@ -289,10 +302,11 @@ struct session_options {
 class eviction_session {
 public:
     /// `capacity`: slots per head of the session's kv_cache (one-shot: prompt + generated tokens;
-    /// chunked / decode cap: budget + chunk / interval suffices; o.page_size > 0: a paged cache).
+    /// chunked / decode cap: budget + chunk / interval suffices; o.page_size > 0: a paged cache;
+    /// meth.repeat_kv: every KV head repeated to the query heads of its group, kv_group times the memory).
     /// `m` and `wo` must outlive the session.
     eviction_session(const model& m, const wo_factors& wo, method meth, session_options o, int capacity)
-        : m_(&m), wo_(&wo), meth_(std::move(meth)), opt_(o), cache_(m.cfg, capacity, o.page_size),
+        : m_(&m), wo_(&wo), meth_(std::move(meth)), opt_(o), cache_(m.cfg, capacity, o.page_size, meth_.repeat_kv ? m.cfg.kv_group() : 1),
           log_(m.cfg, meth_.window < 0 ? -1 : std::max(meth_.window, 1)) {}
     eviction_session(const eviction_session&) = delete;
     eviction_session& operator=(const eviction_session&) = delete;

@@ -25,11 +25,11 @@ struct forward_options {
     /// Called once per layer with the attention output before wo: `o` is (n_heads, head_dim) contiguous,
     /// head h at o[h*head_dim ..] (the input of wo; the block's residual update is wo * o).
     std::function<void(int layer, const float* o)> on_head_output;
-    /// Called per layer and query head with the fp32 softmax weights over slots 0..len-1 of its KV head
-    /// (`len` = lengths(layer)[head / kv_group], the current token included; masked slots report 0).
+    /// Called per layer and query head with the fp32 softmax weights over slots 0..len-1 of its cache head
+    /// (`len` = lengths(layer)[head / query_heads_per_cache_head()], the current token included; masked slots report 0).
     std::function<void(int layer, int head, const float* probs, int len)> on_attention;
     /// Reference masking (testing/measurement): if set, slot s of KV head h in `layer` takes part in
-    /// attention only when slot_visible(layer, h, s) is true. If every slot of a head is masked its output is 0.
+    /// attention only when slot_visible(layer, h, s) is true (h: the cache head). If every slot of a head is masked its output is 0.
     /// Normal operation leaves this empty: the mask then comes from lengths only.
     std::function<bool(int layer, int kv_head, int slot)> slot_visible;
 };
@@ -56,23 +56,35 @@ inline void rope(float* x, int n_heads, int head_dim, std::int32_t position) {
 }
 }  // namespace detail
 
+/// Query heads that read one head of `cache`: c.kv_group() for a GQA-native cache, 1 for a cache repeated
+/// to q_heads heads (kv_cache::kv_repeat() == kv_group()); query head h reads cache head h / this.
+/// Precondition: cache.n_kv_heads() divides c.n_heads (forward() checks it).
+inline int query_heads_per_cache_head(const config& c, const kv_cache& cache) { return c.n_heads / cache.n_kv_heads(); }
+
 /// Runs one token through the model at logical position cache.next_position, appends its key/value
 /// (key RoPE-rotated at that position) to every layer of `cache`, advances cache.next_position, and
 /// writes the `vocab` logits to `logits` (resized).
-/// Attention of query head h covers slots 0..len[h/kv_group]-1 of its KV head (the new token included);
-/// each cached key keeps the rotation of its own stored position, so compaction needs no re-rotation.
+/// Attention of query head h covers slots 0..len[j]-1 of its cache head j = h / query_heads_per_cache_head()
+/// (h / kv_group for a GQA-native cache; h for one repeated to q_heads; the new token included); each cached
+/// key keeps the rotation of its own stored position, so compaction needs no re-rotation.
 /// Errors (checked first; cache and logits unchanged): token out of range, cache shape not matching the
-/// model, a full head in some layer.
+/// model (layers, head_dim, or heads other than n_kv_heads * kv_repeat with kv_repeat dividing kv_group),
+/// a full head in some layer.
 inline result forward(const model& m, kv_cache& cache, int token, std::vector<float>& logits,
                       const forward_options& opt = {}) {
     const config& c = m.cfg;
-    const int hd = c.head_dim(), group = c.kv_group();
+    const int hd = c.head_dim();
     if (token < 0 || token >= c.vocab_size)
         return result::failure("forward: token " + std::to_string(token) + " outside 0.." + std::to_string(c.vocab_size - 1));
-    if (cache.n_layers() != c.n_layers || cache.n_kv_heads() != c.n_kv_heads || cache.head_dim() != hd)
-        return result::failure("forward: kv_cache shape does not match the model");
+    const int rep = cache.kv_repeat();
+    if (cache.n_layers() != c.n_layers || cache.head_dim() != hd || cache.n_kv_heads() != c.n_kv_heads * rep || c.kv_group() % rep != 0)
+        return result::failure("forward: kv_cache shape (" + std::to_string(cache.n_layers()) + " layers, " + std::to_string(cache.n_kv_heads()) +
+                               " heads = KV heads x kv_repeat " + std::to_string(rep) + ", head_dim " + std::to_string(cache.head_dim()) +
+                               ") does not match the model (" + std::to_string(c.n_layers) + " layers, " + std::to_string(c.n_kv_heads) +
+                               " KV heads, GQA group " + std::to_string(c.kv_group()) + ", head_dim " + std::to_string(hd) + ")");
+    const int group = query_heads_per_cache_head(c, cache);
     for (int l = 0; l < c.n_layers; ++l)
-        for (int h = 0; h < c.n_kv_heads; ++h)
+        for (int h = 0; h < cache.n_kv_heads(); ++h)
             if (cache.length(l, h) >= cache.capacity())
                 return result::failure("forward: kv_cache full (layer " + std::to_string(l) + ", head " +
                                        std::to_string(h) + ", capacity " + std::to_string(cache.capacity()) + ")");

@@ -36,6 +36,14 @@ namespace kvevict_engine {
 /// key(l, h, s) / value(l, h, s) address through the table; rows of one head are contiguous only within a
 /// page, so code that reads a head's rows as one matrix uses head_keys() / head_values() (a gather to
 /// scratch in paged mode, the cache itself in contiguous mode). head_stride() is meaningless there.
+///
+/// Repeated KV heads (kv_repeat() = r > 1; kv_cache(config, capacity, page_size, r) or repeated()): the cache
+/// holds r copies of every model KV head, n_kv_heads() = model KV heads * r; cache head j is a copy of model
+/// KV head j / r, and append() writes each model head's key/value into its r copies. With r = the model's
+/// GQA group (kv_group()) every query head owns one cache head (query head h reads cache head h), as in
+/// the reference code of ReST-KV, SnapKV and AdaKV, which repeat K/V to q_heads heads (HF's repeat_kv)
+/// before eviction: gqa_reduction::per_query_head selections then fit the cache, at r times the memory.
+/// In general query head h reads cache head h / (n_heads / n_kv_heads()) (forward.hpp: query_heads_per_cache_head).
 class kv_cache {
 public:
     kv_cache() = default;
@@ -43,10 +51,14 @@ public:
     kv_cache(int n_layers, int n_kv_heads, int head_dim, int capacity) { init(n_layers, n_kv_heads, head_dim, capacity); }
     /// Cache shaped for model config `c` with `capacity` slots per head.
     kv_cache(const config& c, int capacity) : kv_cache(c.n_layers, c.n_kv_heads, c.head_dim(), capacity) {}
-    /// Paged cache shaped for `c` (page_size >= 1 slots per page; page_size <= 0: contiguous).
-    kv_cache(const config& c, int capacity, int page_size) {
-        if (page_size > 0) init_paged(c.n_layers, c.n_kv_heads, c.head_dim(), capacity, page_size);
-        else init(c.n_layers, c.n_kv_heads, c.head_dim(), capacity);
+    /// Paged cache shaped for `c` (page_size >= 1 slots per page; page_size <= 0: contiguous), with every
+    /// model KV head repeated `kv_repeat` times (1: the GQA-native cache; c.kv_group(): one cache head per
+    /// query head). Precondition: kv_repeat >= 1 divides c.kv_group() (forward() refuses other shapes).
+    kv_cache(const config& c, int capacity, int page_size, int kv_repeat = 1) {
+        const int r = std::max(kv_repeat, 1);
+        if (page_size > 0) init_paged(c.n_layers, c.n_kv_heads * r, c.head_dim(), capacity, page_size);
+        else init(c.n_layers, c.n_kv_heads * r, c.head_dim(), capacity);
+        repeat_ = r;
     }
 
     void init(int n_layers, int n_kv_heads, int head_dim, int capacity) {
@@ -57,6 +69,7 @@ public:
                                                std::vector<std::int32_t>(size_t(n_kv_heads) * size_t(capacity), 0), {}, {}, {}});
         page_size_ = 0;
         max_pages_ = 0;
+        repeat_ = 1;
         next_position = 0;
     }
     /// Paged mode: per layer a pool of n_kv_heads * ceil(capacity / page_size) one-head pages, every page
@@ -67,6 +80,7 @@ public:
         n_layers_ = n_layers; n_kv_heads_ = n_kv_heads; head_dim_ = head_dim; capacity_ = maxp * page_size;
         page_size_ = page_size;
         max_pages_ = maxp;
+        repeat_ = 1;
         const size_t P = size_t(n_kv_heads) * size_t(maxp), kv = P * size_t(page_size) * size_t(head_dim);
         layers_.assign(size_t(n_layers), layer{std::vector<float>(kv), std::vector<float>(kv),
                                                std::vector<std::int32_t>(size_t(n_kv_heads), 0),
@@ -87,7 +101,28 @@ public:
     }
 
     int n_layers() const { return n_layers_; }
+    /// Cache heads per layer: the model's KV heads times kv_repeat().
     int n_kv_heads() const { return n_kv_heads_; }
+    /// Copies of each model KV head (1 unless built with kv_repeat > 1 or by repeated()).
+    int kv_repeat() const { return repeat_; }
+    /// A copy of this cache with every head repeated `r` times (r >= 1): cache head j of the copy holds the
+    /// slots, positions and length of head j / r here; same capacity, page size and next_position (paged:
+    /// pages taken in head order). The engine's way to hold a cache repeated to q_heads heads
+    /// (r = kv_group() on a GQA-native cache), e.g. to run gqa_reduction::per_query_head presets on a
+    /// prefilled cache. r == 1 gives a plain copy.
+    kv_cache repeated(int r) const {
+        r = std::max(r, 1);
+        kv_cache out;
+        if (paged()) out.init_paged(n_layers_, n_kv_heads_ * r, head_dim_, capacity_, page_size_);
+        else out.init(n_layers_, n_kv_heads_ * r, head_dim_, capacity_);
+        out.repeat_ = repeat_ * r;
+        out.next_position = next_position;
+        for (int l = 0; l < n_layers_; ++l)
+            for (int j = 0; j < out.n_kv_heads_; ++j)
+                for (int s = 0; s < length(l, j / r); ++s)
+                    out.push_row(l, j, key(l, j / r, s), value(l, j / r, s), position(l, j / r, s));
+        return out;
+    }
     int head_dim() const { return head_dim_; }
     int capacity() const { return capacity_; }
     /// True for a paged cache (init_paged).
@@ -179,8 +214,9 @@ public:
         return result::success();
     }
 
-    /// Appends one token to layer `l`: for every KV head h writes slot len[h] with k/v (each kv_dim floats,
-    /// head-major: head h at [h*head_dim, (h+1)*head_dim)) and `position`, then increments len[h].
+    /// Appends one token to layer `l`: for every KV head h writes slot len[h] with k/v (each the model's
+    /// kv_dim floats, head-major: model KV head m at [m*head_dim, (m+1)*head_dim); cache head h takes model
+    /// head h / kv_repeat()) and `position`, then increments len[h].
     /// Paged: a head whose last page is full first takes a page from the layer's free list.
     /// Error (nothing written) if any head of the layer is full (or, paged, the free list runs short).
     result append(int l, const float* k, const float* v, std::int32_t position) {
@@ -196,14 +232,8 @@ public:
             return result::failure("kv_cache: layer " + std::to_string(l) + " needs " + std::to_string(need) + " pages, " +
                                    std::to_string(L.free.size()) + " free");
         for (int h = 0; h < n_kv_heads_; ++h) {
-            if (paged() && std::int64_t(L.len[size_t(h)]) == std::int64_t(L.npages[size_t(h)]) * page_size_) {
-                L.table[size_t(h) * size_t(max_pages_) + size_t(L.npages[size_t(h)]++)] = L.free.back();
-                L.free.pop_back();
-            }
-            const int s = L.len[size_t(h)]++;
-            std::memcpy(key(l, h, s), k + size_t(h) * size_t(head_dim_), sizeof(float) * size_t(head_dim_));
-            std::memcpy(value(l, h, s), v + size_t(h) * size_t(head_dim_), sizeof(float) * size_t(head_dim_));
-            L.pos[size_t(h) * size_t(capacity_) + size_t(s)] = position;
+            const size_t src = size_t(h / repeat_) * size_t(head_dim_);
+            push_row(l, h, k + src, v + src, position);
         }
         return result::success();
     }
@@ -244,6 +274,19 @@ private:
         const std::int32_t page = layers_[size_t(l)].table[size_t(h) * size_t(max_pages_) + size_t(s / page_size_)];
         return (std::int64_t(page) * page_size_ + s % page_size_) * head_dim_;
     }
+    /// Writes one row at slot len[h] of head h (paged: taking a page first when the last one is full) and
+    /// increments len[h]. Precondition: room checked by the caller.
+    void push_row(int l, int h, const float* k, const float* v, std::int32_t position) {
+        layer& L = layers_[size_t(l)];
+        if (paged() && std::int64_t(L.len[size_t(h)]) == std::int64_t(L.npages[size_t(h)]) * page_size_) {
+            L.table[size_t(h) * size_t(max_pages_) + size_t(L.npages[size_t(h)]++)] = L.free.back();
+            L.free.pop_back();
+        }
+        const int s = L.len[size_t(h)]++;
+        std::memcpy(key(l, h, s), k, sizeof(float) * size_t(head_dim_));
+        std::memcpy(value(l, h, s), v, sizeof(float) * size_t(head_dim_));
+        L.pos[size_t(h) * size_t(capacity_) + size_t(s)] = position;
+    }
     const float* head_rows(const float* base, int l, int h, std::vector<float>& scratch) const {
         if (!paged()) return base + h * head_stride();
         const int len = length(l, h);
@@ -266,7 +309,7 @@ private:
             for (int i = 0; i < num_pages(); ++i) l.free[size_t(i)] = num_pages() - 1 - i;
         }
     }
-    int n_layers_ = 0, n_kv_heads_ = 0, head_dim_ = 0, capacity_ = 0, page_size_ = 0, max_pages_ = 0;
+    int n_layers_ = 0, n_kv_heads_ = 0, head_dim_ = 0, capacity_ = 0, page_size_ = 0, max_pages_ = 0, repeat_ = 1;
     std::vector<layer> layers_;
 };
 

@@ -245,11 +245,13 @@ int main(int argc, char** argv) {
     wo_factors wo;
     if (result r = wo.compute(m); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
 
-    // Rows: every report row that runs without look-ahead, then the LKV sessions.
+    // Rows: every report row that runs without look-ahead on a GQA-native cache, then the LKV sessions. The
+    // per-query-head rows (method::repeat_kv) are the fidelity report's: here every row's peak memory is
+    // counted in the same GQA-native KV heads, which a cache repeated to q_heads would double.
     const std::vector<method> all = report_methods();
     std::vector<row> rows;
     for (const method& mm : all)
-        if (!mm.needs_lookahead) rows.push_back({mm.name, &mm, nullptr});
+        if (!mm.needs_lookahead && !mm.repeat_kv) rows.push_back({mm.name, &mm, nullptr});
     // LKV sessions: the committed artifact (trained for mode A) and the one trained for decoding (mode B,
     // tools/lkv/train.py --decode-interval 4 --protect-recent 8)
     kvevict::io::lkv_artifact art, dart;

@@ -12,6 +12,10 @@
 //      from forward_options::on_head_output; "isolated": layer l's full-cache query attends the evicted
 //      layer-l cache, so the error is that layer's eviction alone; also after W_O and "propagated"),
 //      bytes of fp32 K+V kept.
+// Per-query-head rows (method::repeat_kv: ReST-KV-pqh, SnapKV-pqh, AdaKV-pub, Oracle-W-pqh) evict a copy of
+// the prefilled cache repeated to q_heads heads, as the methods' reference code does: one selection per
+// query head, and G times the KV bytes of a GQA-native row at the same keep fraction (the kept column can
+// exceed 100%: it is against the GQA-native full cache).
 // Prints a table, writes fidelity.csv (means over prompts) and fidelity_per_prompt.csv to --out.
 // --smoke: 1 prompt, fractions 0.2 and 0.5, 8 steps; its files are fidelity_smoke.csv and
 // fidelity_smoke_per_prompt.csv, so a smoke run never overwrites a full report in the same folder.
@@ -160,17 +164,19 @@ result read_prompt_file(const std::string& path, int vocab, std::vector<std::vec
 
 /// Attention output of one layer for query `q` (n_heads, hd) over the layer's cached slots plus one extra
 /// token (k_new, v_new: kv_dim), fp64, written to `o` (dim). Independent of forward()'s code path.
+/// A cache repeated to q_heads heads (kv_cache::kv_repeat() > 1): query head h reads cache head h / (n_heads /
+/// cache heads), whose new token is model KV head (that) / kv_repeat.
 void attend(const config& c, const kv_cache& cache, int l, const float* q, const float* k_new, const float* v_new, std::vector<double>& o) {
-    const int hd = c.head_dim(), G = c.kv_group();
+    const int hd = c.head_dim(), G = query_heads_per_cache_head(c, cache);
     o.assign(size_t(c.dim), 0.0);
     const double scale = 1.0 / std::sqrt(double(hd));
     std::vector<double> s;
     for (int h = 0; h < c.n_heads; ++h) {
-        const int kvh = h / G, len = cache.length(l, kvh);
+        const int kvh = h / G, len = cache.length(l, kvh), src = kvh / cache.kv_repeat();
         s.assign(size_t(len) + 1, 0.0);
         double mx = -std::numeric_limits<double>::infinity();
         for (int t = 0; t <= len; ++t) {
-            const float* k = t < len ? cache.key(l, kvh, t) : k_new + size_t(kvh) * size_t(hd);
+            const float* k = t < len ? cache.key(l, kvh, t) : k_new + size_t(src) * size_t(hd);
             double acc = 0;
             for (int d = 0; d < hd; ++d) acc += double(q[h * hd + d]) * k[d];
             s[size_t(t)] = acc * scale;
@@ -179,7 +185,7 @@ void attend(const config& c, const kv_cache& cache, int l, const float* q, const
         double sum = 0;
         for (double& x : s) sum += (x = std::exp(x - mx));
         for (int t = 0; t <= len; ++t) {
-            const float* v = t < len ? cache.value(l, kvh, t) : v_new + size_t(kvh) * size_t(hd);
+            const float* v = t < len ? cache.value(l, kvh, t) : v_new + size_t(src) * size_t(hd);
             for (int d = 0; d < hd; ++d) o[size_t(h * hd + d)] += s[size_t(t)] / sum * v[d];
         }
     }
@@ -315,7 +321,8 @@ result evicted_cache(const model& m, const wo_factors& wo, const reference& ref,
         cache = s.cache();
         return result::success();
     }
-    cache = ref.prefilled;
+    // per-query-head rows: the prefilled cache repeated to q_heads heads (G times the memory)
+    cache = meth.repeat_kv ? ref.prefilled.repeated(c.kv_group()) : ref.prefilled;
     for (int l = 0; l < c.n_layers; ++l) {
         layer_state s;
         s.m = &m;
@@ -357,16 +364,16 @@ result evaluate(const model& m, const wo_factors& wo, const reference& ref, cons
     }
     if (result r = evicted_cache(m, wo, ref, prompt, counted, budget, chunk, cache); !r) return r;
     if (kept) {
-        kept->assign(size_t(c.n_layers), std::vector<std::vector<int>>(size_t(c.n_kv_heads)));
+        kept->assign(size_t(c.n_layers), std::vector<std::vector<int>>(size_t(cache.n_kv_heads())));
         for (int l = 0; l < c.n_layers; ++l)
-            for (int h = 0; h < c.n_kv_heads; ++h) {
+            for (int h = 0; h < cache.n_kv_heads(); ++h) {
                 const std::int32_t* pos = cache.positions(l) + size_t(h) * size_t(cache.capacity());
                 (*kept)[size_t(l)][size_t(h)].assign(pos, pos + cache.length(l, h));
             }
     }
     out = metrics{};
     for (int l = 0; l < c.n_layers; ++l)
-        for (int h = 0; h < c.n_kv_heads; ++h) out.kv_bytes += double(cache.length(l, h)) * c.head_dim() * 2 * sizeof(float);
+        for (int h = 0; h < cache.n_kv_heads(); ++h) out.kv_bytes += double(cache.length(l, h)) * c.head_dim() * 2 * sizeof(float);
     std::vector<double> o;
     for (int l = 0; l < c.n_layers; ++l) {
         attend(c, cache, l, ref.q[size_t(l)].data(), ref.k[size_t(l)].data(), ref.v[size_t(l)].data(), o);
@@ -636,12 +643,12 @@ int main(int argc, char** argv) {
                     std::string line;
                     for (const auto& pr : pages) line += (line.empty() ? "" : ", ") + std::to_string(pr.first) + " -> " + std::to_string(pr.second);
                     std::fprintf(stderr, "pages in use (all layers, pool %d per layer): %s keep %s excerpt %zu: %s\n",
-                                 ref.prefilled.num_pages(), methods[i].name.c_str(), opt.budgets[f].label().c_str(), p, line.c_str());
+                                 ref.prefilled.num_pages() * (methods[i].repeat_kv ? c.kv_group() : 1), methods[i].name.c_str(), opt.budgets[f].label().c_str(), p, line.c_str());
                 }
                 if (dump) {
                     std::fprintf(dump, "kl\t%s\t%.17g\t%zu\t%.17g\n", methods[i].name.c_str(), opt.budgets[f].nominal_fraction(opt.prompt_tokens), p, mt.kl);
                     for (int l = 0; l < c.n_layers; ++l)
-                        for (int h = 0; h < c.n_kv_heads; ++h) {
+                        for (int h = 0; h < int(kept[size_t(l)].size()); ++h) {  // cache heads (q_heads for a -pqh row)
                             std::fprintf(dump, "kept\t%s\t%.17g\t%zu\t%d\t%d\t", methods[i].name.c_str(),
                                          opt.budgets[f].nominal_fraction(opt.prompt_tokens), p, l, h);
                             dump_ints(kept[size_t(l)][size_t(h)]);

@@ -13,17 +13,25 @@ std::vector<registered_method> builtin_methods() {
     using namespace kvevict;
     using kvevict_engine::policy_method;
     std::vector<registered_method> v;
+    // Per-query-head rows ("-pqh", and AdaKV-pub): the published configurations as their reference code runs
+    // them, on a cache repeated to q_heads heads (method::repeat_kv: G times the KV bytes), one selection per
+    // query head. Each sits right after its GQA-native row.
+    auto pqh = [](auto p) {
+        p.gqa = gqa_reduction::per_query_head;
+        return p;
+    };
     v.push_back({0, policy_method<presets::restkv>("ReST-KV")});
+    v.push_back({0, policy_method<presets::restkv>("ReST-KV-pqh", pqh(presets::restkv::defaults()))});
     v.push_back({10, policy_method<presets::snapkv>("SnapKV")});
+    v.push_back({10, policy_method<presets::snapkv>("SnapKV-pqh", pqh(presets::snapkv::defaults()))});
     v.push_back({20, policy_method<presets::pyramidkv>("PyramidKV")});
     v.push_back({30, policy_method<presets::adakv>("AdaKV")});
-    {  // AdaKV as its authors run it: window 32, max-pool kernel 7, alpha 0.2 (GQA-native here: mean over
-       // the group; the per-query-head form on a cache repeated to q_heads needs issue 16 item 2)
-        using adakv_mp7 = eviction_policy<scorers::attention_weight, temporal::sum, spatial::max_pool, budgeters::adakv>;
-        auto p = adakv_mp7::defaults();
-        p.spatial.kernel = 7;
-        p.budgeter.alpha = 0.2f;
-        v.push_back({31, policy_method<adakv_mp7>("AdaKV-mp7", p)});
+    {  // AdaKV's published configuration (window 32, max-pool 7, alpha 0.2): GQA-native (mean over the group)
+       // as "AdaKV-mp7", and as published, per query head on a repeated cache, as "AdaKV-pub"
+        auto p = presets::adakv_published::defaults();
+        p.gqa = gqa_reduction::mean;
+        v.push_back({31, policy_method<presets::adakv_published>("AdaKV-mp7", p)});
+        v.push_back({31, policy_method<presets::adakv_published>("AdaKV-pub")});
     }
     v.push_back({40, policy_method<presets::h2o>("H2O", presets::h2o::defaults(), -1)});
     v.push_back({50, policy_method<presets::tova>("TOVA")});
@@ -31,6 +39,7 @@ std::vector<registered_method> builtin_methods() {
     v.push_back({65, policy_method<presets::key_norm>("KeyNorm", presets::key_norm::defaults(), 0)});  // query-free: no window
     v.push_back({70, random_method("Random")});
     v.push_back({90, window_oracle_method("Oracle-W")});  // the window's error after W_O, window kept
+    v.push_back({90, window_oracle_method("Oracle-W-pqh", 32, true)});  // the same per query head (repeated cache)
     v.push_back({91, oracle_method("Oracle-next")});     // the next query's error before W_O (look-ahead)
     return v;
 }

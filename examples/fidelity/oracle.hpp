@@ -214,16 +214,19 @@ inline void window_oracle_keep_head(const float* K, const float* V, int L, int d
 /// Registry row "Oracle-W": window_oracle_keep_head per KV head over the last `window` prompt queries
 /// (layer_state::queries) and the W_O factors (layer_state::wo); budget per head as the presets'
 /// (kvevict::detail::plan_head with num_sink 0 and the window kept: floor(f * L), at least the window).
-inline kvevict_engine::method window_oracle_method(std::string name = "Oracle-W", int window = 32) {
+/// The objective sums over the query heads that read a cache head: the GQA group on a GQA-native cache;
+/// `repeat_kv` (a cache repeated to q_heads, "Oracle-W-pqh"): one query head, a selection per query head.
+inline kvevict_engine::method window_oracle_method(std::string name = "Oracle-W", int window = 32, bool repeat_kv = false) {
     kvevict_engine::method m;
     m.name = std::move(name);
     m.window = window;
+    m.repeat_kv = repeat_kv;
     m.evict = [window](const kvevict_engine::layer_state& s) -> kvevict_engine::result {
         using kvevict_engine::result;
         if (!s.m || !s.cache || !s.queries || !s.wo || s.wo->empty())
             return result::failure("oracle-W: layer_state.m, .cache, .queries and .wo must be set");
         kvevict_engine::kv_cache& c = *s.cache;
-        const int H = c.n_kv_heads(), d = c.head_dim(), G = s.m->cfg.kv_group(), l = s.layer;
+        const int H = c.n_kv_heads(), d = c.head_dim(), G = kvevict_engine::query_heads_per_cache_head(s.m->cfg, c), l = s.layer;
         const kvevict::query_view<const float> q = s.queries->view(l, window);
         const int w = q.data ? int(q.extent[2]) : 0;
         const kvevict::strided_view<const float, 3> R = s.wo->view(l);
@@ -264,7 +267,7 @@ inline kvevict_engine::method oracle_method(std::string name = "Oracle-next") {
         if (!s.next_query || !s.next_key || !s.next_value)
             return result::failure("oracle: needs the next token's query, key and value (layer_state::next_*)");
         kvevict_engine::kv_cache& c = *s.cache;
-        const int H = c.n_kv_heads(), d = c.head_dim(), G = s.m->cfg.kv_group(), l = s.layer;
+        const int H = c.n_kv_heads(), d = c.head_dim(), G = kvevict_engine::query_heads_per_cache_head(s.m->cfg, c), l = s.layer;
         kvevict::selectors::topk::params sp;
         sp.num_sink = 0;
         sp.num_recent = 0;
@@ -276,7 +279,7 @@ inline kvevict_engine::method oracle_method(std::string name = "Oracle-next") {
             const int L = c.length(l, h);
             const kvevict::detail::head_plan pl = kvevict::detail::plan_head(s.budget, sp, L, 0);
             oracle_keep_head(c.head_keys(l, h, kbuf), c.head_values(l, h, vbuf), L, d, s.next_query + size_t(h) * size_t(G) * size_t(d), G,
-                             s.next_key + size_t(h) * size_t(d), s.next_value + size_t(h) * size_t(d),
+                             s.next_key + size_t(h / c.kv_repeat()) * size_t(d), s.next_value + size_t(h / c.kv_repeat()) * size_t(d),
                              pl.pass_through ? L : int(pl.base_budget), keep);
             indices.insert(indices.end(), keep.begin(), keep.end());
             indptr[size_t(h) + 1] = std::int32_t(indices.size());

@@ -28,6 +28,23 @@ struct pyramidkv : eviction_policy<scorers::attention_weight, temporal::sum, spa
 /// AdaKV (Feng et al. 2024): SnapKV scores with head-wise adaptive budgets, alpha 0.2 (GQA).
 struct adakv : eviction_policy<scorers::attention_weight, temporal::sum, spatial::avg_pool, budgeters::adakv> {};
 
+/// AdaKV as its authors publish and run it (Feng et al. 2024, reference code AdaKV/adaptive_snapkv):
+/// window 32, max-pool kernel 7 (not SnapKV's avg-pool 5), alpha 0.2, one selection per query head
+/// (gqa_reduction::per_query_head: the reference repeats K/V to q_heads heads before eviction, so the
+/// compacted cache has q_heads heads, G times a GQA-native cache). The selection has q_heads rows per
+/// sequence; an engine compacts it into a cache that holds a copy of each KV head per query head. On such
+/// a repeated cache (G = 1) the preset equals the same policy with any GQA reduction. `adakv` is the
+/// GQA-native form (mean over the group, avg-pool 5).
+struct adakv_published : eviction_policy<scorers::attention_weight, temporal::sum, spatial::max_pool, budgeters::adakv> {
+  static params defaults() {
+    params p;
+    p.spatial.kernel = 7;
+    p.budgeter.alpha = 0.2f;
+    p.gqa = gqa_reduction::per_query_head;
+    return p;
+  }
+};
+
 /// CriticalKV (Feng et al. 2025, arXiv 2502.03805) on SnapKV scores, uniform per-head budgets (the
 /// reference's CriticalKVPress wrapping SnapKV): window attention averaged over the window
 /// (temporal::mean, as the reference's SnapKV scorer, so eps is independent of the window length),

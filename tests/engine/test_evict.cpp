@@ -576,3 +576,145 @@ TEST_CASE("oracle-W: incremental greedy over the window after W_O equals a naive
     }
     CHECK(removed > 40);
 }
+
+TEST_CASE("a cache repeated to q_heads: same logits; per-query-head presets select per query head as the library does on the GQA cache") {
+    REQUIRE_MODEL_OR_SKIP();
+    const model& m = fx().m;
+    const config& c = m.cfg;
+    const int G = c.kv_group();
+    REQUIRE(G > 1);  // stories260K: 8 query heads over 4 KV heads
+    const std::vector<int> prompt = text_tokens(41000, 300);
+    const int n = int(prompt.size()), steps = 4;
+    kv_cache full(c, n + steps), rep(c, n + steps, 0, G);
+    CHECK(rep.n_kv_heads() == c.n_heads);
+    CHECK(rep.kv_repeat() == G);
+    query_log log(c, 32);
+    forward_options fo;
+    fo.on_query = log.hook();
+    std::vector<float> lf, lr;
+    REQUIRE(prefill(m, full, prompt, lf, fo));
+    REQUIRE(prefill(m, rep, prompt, lr));
+    CHECK(max_abs_diff(lf, lr) == 0.0f);  // the same rows, read by the same query heads
+    // repeated() of the GQA cache equals the cache built repeated; paged too
+    const kv_cache copy = full.repeated(G);
+    kv_cache paged(c, n + steps, 16);
+    REQUIRE(prefill(m, paged, prompt, lr));
+    const kv_cache paged_rep = paged.repeated(G);
+    CHECK(paged_rep.paged());
+    CHECK(paged_rep.kv_repeat() == G);
+    for (int l = 0; l < c.n_layers; ++l) {
+        CHECK(std::equal(copy.keys(l), copy.keys(l) + c.n_heads * copy.head_stride(), rep.keys(l)));
+        CHECK(std::equal(copy.values(l), copy.values(l) + c.n_heads * copy.head_stride(), rep.values(l)));
+        for (int h = 0; h < c.n_heads; ++h) {
+            REQUIRE(copy.length(l, h) == n);
+            REQUIRE(paged_rep.length(l, h) == n);
+            int same = 0;
+            for (int s = 0; s < n; ++s)
+                same += std::equal(paged_rep.key(l, h, s), paged_rep.key(l, h, s) + c.head_dim(), full.key(l, h / G, s)) &&
+                        std::equal(paged_rep.value(l, h, s), paged_rep.value(l, h, s) + c.head_dim(), full.value(l, h / G, s)) &&
+                        paged_rep.position(l, h, s) == s && copy.position(l, h, s) == s;
+            CHECK(same == n);
+        }
+    }
+
+    // per_query_head on the repeated cache (the engine's evict_layer) == the library's per_query_head on the
+    // GQA-native cache (q_heads selection rows over kv_heads K/V): the same kept positions per query head
+    auto check_preset = [&](auto tag, const char* name, bool& group_differs) {
+        using P = decltype(tag);
+        CAPTURE(name);
+        auto p = P::defaults();
+        p.gqa = kvevict::gqa_reduction::per_query_head;
+        const kvevict::budget_request b = kvevict::budget_request::fraction(0.3);
+        kv_cache ev = rep;
+        for (int l = 0; l < c.n_layers; ++l) {
+            const result r = evict_layer<P>(state_for(ev, l, &log, b), p);
+            REQUIRE_MESSAGE(r, r.error);
+            kvevict::layer_inputs<float> in;
+            layer_page_table table;
+            set_cache_inputs(in, full, l, table);
+            in.queries = log.view(l, 32);
+            in.wo_factor = fx().wo.view(l);
+            in.layer_idx = l;
+            in.num_layers = c.n_layers;
+            kvevict::evictor<P, kvevict::cpu::backend> lib(p);
+            std::vector<std::int32_t> indptr(size_t(c.n_heads) + 1), indices(size_t(c.n_heads) * size_t(n));
+            kvevict::selection_view sel;
+            sel.indptr = indptr.data();
+            sel.indices = indices.data();
+            sel.capacity = std::int64_t(indices.size());
+            const kvevict::status st = lib.run(in, b, sel);
+            REQUIRE_MESSAGE(st.ok(), st.message());
+            REQUIRE(lib.out_heads(in) == c.n_heads);
+            for (int h = 0; h < c.n_heads; ++h) {
+                std::vector<int> got, want(indices.begin() + indptr[size_t(h)], indices.begin() + indptr[size_t(h) + 1]);
+                for (int s = 0; s < ev.length(l, h); ++s) got.push_back(ev.position(l, h, s));
+                CHECK(got == want);
+                if (h % G != 0) {  // another query head of the same group
+                    std::vector<int> first;
+                    for (int s = 0; s < ev.length(l, h - h % G); ++s) first.push_back(ev.position(l, h - h % G, s));
+                    group_differs = group_differs || first != got;
+                }
+            }
+        }
+        return ev;
+    };
+    bool differs = false;
+    const kv_cache snap = check_preset(kvevict::presets::snapkv{}, "SnapKV", differs);
+    check_preset(kvevict::presets::restkv{}, "ReST-KV", differs);
+    check_preset(kvevict::presets::adakv_published{}, "AdaKV published", differs);
+    CHECK(differs);  // not vacuous: query heads of one group keep different tokens
+
+    // decoding on the evicted repeated cache == the full repeated cache with the evicted slots masked
+    std::vector<std::vector<std::vector<char>>> kept(size_t(c.n_layers), std::vector<std::vector<char>>(size_t(c.n_heads), std::vector<char>(size_t(n), 0)));
+    for (int l = 0; l < c.n_layers; ++l)
+        for (int h = 0; h < c.n_heads; ++h)
+            for (int s = 0; s < snap.length(l, h); ++s) kept[size_t(l)][size_t(h)][size_t(snap.position(l, h, s))] = 1;
+    forward_options masked;
+    masked.slot_visible = [&](int l, int h, int s) { return s >= n || kept[size_t(l)][size_t(h)][size_t(s)] != 0; };
+    kv_cache ev = snap, whole = rep;
+    std::vector<float> le, lw;
+    int t = argmax(lf);
+    float worst = 0;
+    for (int i = 0; i < steps; ++i) {
+        REQUIRE(forward(m, whole, t, lw, masked));
+        REQUIRE(forward(m, ev, t, le));
+        worst = std::max(worst, max_abs_diff(lw, le));
+        t = argmax(le);
+    }
+    CHECK(worst < 1e-4f);
+
+    // a session of a per-query-head method holds the repeated cache: G times the KV tokens of the GQA row
+    session_options so;
+    so.budget = kvevict::budget_request::fraction(0.3);
+    auto pq = kvevict::presets::snapkv::defaults();
+    pq.gqa = kvevict::gqa_reduction::per_query_head;
+    const method pqh = policy_method<kvevict::presets::snapkv>("SnapKV-pqh", pq);
+    CHECK(pqh.repeat_kv);
+    eviction_session sg(m, fx().wo, policy_method<kvevict::presets::snapkv>("SnapKV"), so, n + steps), sq(m, fx().wo, pqh, so, n + steps);
+    std::vector<float> a, bq;
+    REQUIRE(sg.prefill(prompt, a));
+    REQUIRE(sq.prefill(prompt, bq));
+    CHECK(max_abs_diff(a, bq) == 0.0f);  // the logits before eviction
+    CHECK(sq.cache().n_kv_heads() == c.n_heads);
+    std::int64_t kg = 0, kq = 0;
+    for (int l = 0; l < c.n_layers; ++l) {
+        for (int h = 0; h < c.n_kv_heads; ++h) kg += sg.cache().length(l, h);
+        for (int h = 0; h < c.n_heads; ++h) {
+            kq += sq.cache().length(l, h);
+            CHECK(sq.cache().length(l, h) == snap.length(l, h));
+        }
+    }
+    CHECK(kq == G * kg);
+    REQUIRE(sq.decode(argmax(bq), bq));
+
+    // errors: per_query_head on a GQA-native cache, a cache of the wrong head count
+    kv_cache gqa = full;
+    const result r = evict_layer<kvevict::presets::snapkv>(state_for(gqa, 0, &log, kvevict::budget_request::fraction(0.3)), pq);
+    CHECK_FALSE(r.ok);
+    CHECK(r.error.find("repeat it to q_heads") != std::string::npos);
+    CHECK(gqa.length(0, 0) == n);
+    kv_cache odd(c.n_layers, 3, c.head_dim(), 8);
+    const result rf = forward(m, odd, 1, le);
+    CHECK_FALSE(rf.ok);
+    CHECK(rf.error.find("does not match the model") != std::string::npos);
+}
