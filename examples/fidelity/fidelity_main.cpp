@@ -803,8 +803,10 @@ int main(int argc, char** argv) {
             }
             std::printf("  (%d rows within noise of the best)\n", tied);
         }
-        const std::pair<const char*, const char*> claims[] = {{"ReST-KV", "SnapKV"}, {"AdaKV", "SnapKV"}, {"LKV", "ReST-KV"},
-                                                              {"LKV", "AdaKV"},      {"Oracle-W", "ReST-KV"}, {"Oracle-W", "LKV"}};
+        const std::pair<const char*, const char*> claims[] = {{"ReST-KV", "SnapKV"},         {"AdaKV", "SnapKV"},     {"LKV", "ReST-KV"},
+                                                              {"LKV", "AdaKV"},              {"Oracle-W", "ReST-KV"}, {"Oracle-W", "LKV"},
+                                                              {"ReST-KV-pqh", "ReST-KV"},    {"SnapKV-pqh", "SnapKV"}, {"AdaKV-pub", "AdaKV-mp7"},
+                                                              {"Oracle-W-pqh", "Oracle-W"}};
         for (const auto& cl : claims) {
             const int a = row_of(cl.first), b = row_of(cl.second);
             if (a < 0 || b < 0) continue;
@@ -817,6 +819,28 @@ int main(int argc, char** argv) {
                 std::printf("  %s %+.5f+-%.5f%s", opt.budgets[f].label().c_str(), d, se, beyond ? "*" : "");
             }
             std::printf("\n");
+        }
+        // Per-query-head rows hold G times the KV bytes at the same keep fraction: compare them at equal memory
+        // too, a per-query-head row at fraction f against its GQA-native row at G * f (where the run has both).
+        const int G = c.kv_group();
+        for (const auto& cl : claims) {
+            const int a = row_of(cl.first), b = row_of(cl.second);
+            if (a < 0 || b < 0 || !methods[size_t(a)].repeat_kv || methods[size_t(b)].repeat_kv) continue;
+            bool any = false;
+            for (size_t f = 0; f < opt.budgets.size(); ++f)
+                for (size_t g = 0; g < opt.budgets.size(); ++g) {
+                    const budget_spec &x = opt.budgets[f], &y = opt.budgets[g];
+                    const bool equal = x.tokens > 0 ? y.tokens == G * x.tokens : y.tokens == 0 && std::fabs(y.fraction - G * x.fraction) < 1e-9;
+                    if (!equal || !complete(a, f) || !complete(b, g)) continue;
+                    std::vector<double> diff;
+                    for (size_t p = 0; p < prompts.size(); ++p) diff.push_back(res[size_t(a)][f][p].kl - res[size_t(b)][g][p].kl);
+                    const double d = mean(diff), se = std_error(diff);
+                    const bool beyond = se > 0 ? std::fabs(d) / se > tc : d != 0;
+                    if (!any) std::printf("%s - %s at equal KV bytes (%s at keep f, %s at %d f):", cl.first, cl.second, cl.first, cl.second, G);
+                    any = true;
+                    std::printf("  %s vs %s %+.5f+-%.5f%s", x.label().c_str(), y.label().c_str(), d, se, beyond ? "*" : "");
+                }
+            if (any) std::printf("\n");
         }
     }
     const int expected = int(methods.size() * opt.budgets.size());

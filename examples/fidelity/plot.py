@@ -8,8 +8,9 @@ Usage: plot.py fidelity.csv out.png [TEXT]    (TEXT names the excerpts' source i
 Reads the CSV written by kvevict_fidelity (columns method, keep_fraction, kl_mean, kl_se, oerr_mean, ...).
 
 Every row has a style of its own: training-free methods solid lines, learned (LKV) rows dashed, the
-oracles black and the random floor grey (references, not methods); colour and marker together tell
-rows apart, so no two rows look the same even in greyscale.
+per-query-head rows (on a cache repeated to q_heads: "-pqh", AdaKV-pub) dotted in the colour of their
+GQA-native row with a hollow marker, the oracles black and the random floor grey (references, not
+methods); colour, marker and line together tell rows apart, so no two rows look the same.
 """
 import csv
 import sys
@@ -30,6 +31,13 @@ def is_reference(name):
     return name.startswith("Oracle") or name == "Random"
 
 
+def pqh_base(name):
+    """The GQA-native row a per-query-head row is the repeated-cache form of, or None."""
+    if name == "AdaKV-pub":
+        return "AdaKV-mp7"
+    return name[:-4] if name.endswith("-pqh") and not name.startswith("Oracle") else None
+
+
 def styles_for(methods):
     """One (colour, marker, linestyle) per row: tab10 for training-free rows, Dark2 for the learned
     rows (dashed: no colour is shared with a training-free row of the same marker), black for the
@@ -45,9 +53,14 @@ def styles_for(methods):
         elif is_learned(m):
             out[m] = dict(color=lcmap(learned_i % 8), marker=MARKERS[(learned_i + 7) % len(MARKERS)], linestyle="--")
             learned_i += 1
-        else:
+        elif pqh_base(m) is None:
             out[m] = dict(color=cmap(free_i % 10), marker=MARKERS[free_i % len(MARKERS)], linestyle="-")
             free_i += 1
+    for m in methods:  # per-query-head rows: their GQA-native row's colour and marker, hollow and dotted
+        b = pqh_base(m)
+        if b is not None:
+            base = out.get(b, dict(color=cmap(free_i % 10), marker=MARKERS[free_i % len(MARKERS)]))
+            out[m] = dict(color=base["color"], marker=base["marker"], linestyle=":", markerfacecolor="none")
     return out
 
 
@@ -92,7 +105,7 @@ def main(argv):
     handles, labels = ax1.get_legend_handles_labels()
     by = dict(zip(labels, handles))
     fig.legend([by[m] for m in order], order, loc="center right", fontsize=8, title="solid: training-free\ndashed: learned (LKV)\n"
-               "black / grey: oracles / random", title_fontsize=7)
+               "dotted, hollow: per query head\n(cache repeated to q_heads)\nblack / grey: oracles / random", title_fontsize=7)
     fig.suptitle("kvevict fidelity on stories260K (%s %s excerpts, one-shot eviction after prefill)" % (prompts, text), fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.84, 1))
     fig.savefig(argv[2], dpi=110)
