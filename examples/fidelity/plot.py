@@ -43,6 +43,11 @@ def styles_for(methods):
     rows (dashed: no colour is shared with a training-free row of the same marker), black for the
     oracles, grey for the random floor."""
     cmap, lcmap = plt.get_cmap("tab10"), plt.get_cmap("Dark2")
+    extra = ["navy", "maroon", "darkolivegreen", "indigo"]  # past tab10's 10 colours: no colour repeats
+
+    def free_colour(i):
+        return cmap(i) if i < 10 else extra[(i - 10) % len(extra)]
+
     out, free_i, learned_i, oracle_i = {}, 0, 0, 0
     for m in methods:
         if m == "Random":
@@ -54,12 +59,12 @@ def styles_for(methods):
             out[m] = dict(color=lcmap(learned_i % 8), marker=MARKERS[(learned_i + 7) % len(MARKERS)], linestyle="--")
             learned_i += 1
         elif pqh_base(m) is None:
-            out[m] = dict(color=cmap(free_i % 10), marker=MARKERS[free_i % len(MARKERS)], linestyle="-")
+            out[m] = dict(color=free_colour(free_i), marker=MARKERS[free_i % len(MARKERS)], linestyle="-")
             free_i += 1
     for m in methods:  # per-query-head rows: their GQA-native row's colour and marker, hollow and dotted
         b = pqh_base(m)
         if b is not None:
-            base = out.get(b, dict(color=cmap(free_i % 10), marker=MARKERS[free_i % len(MARKERS)]))
+            base = out.get(b, dict(color=free_colour(free_i), marker=MARKERS[free_i % len(MARKERS)]))
             out[m] = dict(color=base["color"], marker=base["marker"], linestyle=":", markerfacecolor="none")
     return out
 
