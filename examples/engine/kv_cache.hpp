@@ -53,7 +53,8 @@ public:
     kv_cache(const config& c, int capacity) : kv_cache(c.n_layers, c.n_kv_heads, c.head_dim(), capacity) {}
     /// Paged cache shaped for `c` (page_size >= 1 slots per page; page_size <= 0: contiguous), with every
     /// model KV head repeated `kv_repeat` times (1: the GQA-native cache; c.kv_group(): one cache head per
-    /// query head). Precondition: kv_repeat >= 1 divides c.kv_group() (forward() refuses other shapes).
+    /// query head). kv_repeat < 1 is taken as 1; a kv_repeat that does not divide c.kv_group() builds a cache
+    /// that forward() refuses with an error naming both.
     kv_cache(const config& c, int capacity, int page_size, int kv_repeat = 1) {
         const int r = std::max(kv_repeat, 1);
         if (page_size > 0) init_paged(c.n_layers, c.n_kv_heads * r, c.head_dim(), capacity, page_size);

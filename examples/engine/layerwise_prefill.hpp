@@ -61,7 +61,7 @@ using layer_evict_fn = std::function<result(int layer, kv_cache& cache)>;
 /// Layer-wise prefill of `tokens` at positions cache.next_position, +1, ... (the cache may already
 /// hold earlier tokens). `evict` may be empty (no eviction: then the result equals prefill()).
 /// last_logits receives the logits after the last token. Errors (cache unchanged): empty tokens, a
-/// token out of range, cache shape not matching the model, not enough free slots in some head for
+/// token out of range, cache shape not matching the model (a cache repeated to q_heads included), not enough free slots in some head for
 /// the whole prompt; an error of `evict` is returned as is (the cache is then partly filled).
 inline result layerwise_prefill(const model& m, kv_cache& cache, const std::vector<int>& tokens, std::vector<float>& last_logits,
                                 const layer_evict_fn& evict = {}, layerwise_stats* stats = nullptr) {
@@ -72,7 +72,11 @@ inline result layerwise_prefill(const model& m, kv_cache& cache, const std::vect
         if (t < 0 || t >= c.vocab_size)
             return result::failure("layerwise_prefill: token " + std::to_string(t) + " outside 0.." + std::to_string(c.vocab_size - 1));
     if (cache.n_layers() != c.n_layers || cache.n_kv_heads() != c.n_kv_heads || cache.head_dim() != hd)
-        return result::failure("layerwise_prefill: kv_cache shape does not match the model");
+        return result::failure("layerwise_prefill: kv_cache shape (" + std::to_string(cache.n_layers()) + " layers, " +
+                               std::to_string(cache.n_kv_heads()) + " heads, kv_repeat " + std::to_string(cache.kv_repeat()) + ", head_dim " +
+                               std::to_string(cache.head_dim()) + ") does not match the model (" + std::to_string(c.n_layers) + " layers, " +
+                               std::to_string(c.n_kv_heads) + " KV heads, head_dim " + std::to_string(hd) +
+                               "); a cache repeated to q_heads (kv_repeat > 1) is not supported here: use forward()");
     for (int l = 0; l < c.n_layers; ++l)
         for (int h = 0; h < c.n_kv_heads; ++h)
             if (cache.length(l, h) + T > cache.capacity())
@@ -144,12 +148,13 @@ inline result layerwise_prefill(const model& m, kv_cache& cache, const std::vect
 /// Evicts layer `layer` of `cache` with `ev` (no window queries: for query-agnostic scorers such
 /// as scorers::learned_mlp or key_norm, with selector.num_recent = 0 or >= 0) and compacts it in
 /// place. Sets the layer index (layer_inputs::layer_idx / num_layers) itself. Errors: any kvevict
-/// error (message kept), a policy in gqa_reduction::per_query_head mode.
+/// error (message kept), a policy in gqa_reduction::per_query_head mode (it needs queries; this passes none).
 template <class Policy>
 result evict_layer_kv(const kvevict::evictor<Policy, kvevict::cpu::backend>& ev, kv_cache& cache, int layer,
                       const kvevict::budget_request& budget) {
     if (ev.params().gqa == kvevict::gqa_reduction::per_query_head)
-        return result::failure("evict_layer_kv: per_query_head selections do not fit a KV-head cache");
+        return result::failure("evict_layer_kv: gqa = per_query_head needs the window queries (for q_heads); evict_layer_kv passes none "
+                               "(use evict_layer on a cache repeated to q_heads)");
     if (layer < 0 || layer >= cache.n_layers()) return result::failure("evict_layer_kv: layer " + std::to_string(layer) + " out of range");
     const int H = cache.n_kv_heads();
     kvevict::layer_inputs<float> in;

@@ -280,6 +280,10 @@ int main(int argc, char** argv) {
                 if (r.name == name) { sel.push_back(r); found = true; }
             if (!found) {
                 if (opt.smoke && name.rfind("LKV", 0) == 0) continue;  // no artifact: the smoke run goes on without
+                for (const method& mm : all)
+                    if (mm.name == name && mm.repeat_kv)
+                        return usage(argv[0], "--methods: row '" + name + "' runs per query head on a cache repeated to q_heads; the decoding "
+                                              "report compares GQA-native caches only (kvevict_fidelity has it)");
                 return usage(argv[0], "--methods: no row named '" + name + "'");
             }
         }

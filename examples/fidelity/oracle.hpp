@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace kvevict_fidelity {
@@ -211,6 +212,22 @@ inline void window_oracle_keep_head(const float* K, const float* V, int L, int d
         if (n >= C || alive[size_t(n)]) keep.push_back(n);
 }
 
+/// The cache shape the oracles read: the model's layers and head_dim, heads that divide the query heads
+/// (GQA-native or repeated to q_heads), a layer in range. Error naming the values otherwise.
+inline kvevict_engine::result check_oracle_cache(const char* who, const kvevict_engine::layer_state& s) {
+    const kvevict_engine::kv_cache& c = *s.cache;
+    const kvevict_engine::config& cfg = s.m->cfg;
+    if (c.n_layers() != cfg.n_layers || c.head_dim() != cfg.head_dim() || c.n_kv_heads() < 1 || cfg.n_heads % c.n_kv_heads() != 0 ||
+        c.n_kv_heads() != cfg.n_kv_heads * c.kv_repeat())
+        return kvevict_engine::result::failure(std::string(who) + ": kv_cache of " + std::to_string(c.n_layers()) + " layers, " +
+                                               std::to_string(c.n_kv_heads()) + " heads (kv_repeat " + std::to_string(c.kv_repeat()) +
+                                               "), head_dim " + std::to_string(c.head_dim()) + " does not match the model");
+    if (s.layer < 0 || s.layer >= c.n_layers())
+        return kvevict_engine::result::failure(std::string(who) + ": layer " + std::to_string(s.layer) + " outside 0.." +
+                                               std::to_string(c.n_layers() - 1));
+    return kvevict_engine::result::success();
+}
+
 /// Registry row "Oracle-W": window_oracle_keep_head per KV head over the last `window` prompt queries
 /// (layer_state::queries) and the W_O factors (layer_state::wo); budget per head as the presets'
 /// (kvevict::detail::plan_head with num_sink 0 and the window kept: floor(f * L), at least the window).
@@ -226,6 +243,7 @@ inline kvevict_engine::method window_oracle_method(std::string name = "Oracle-W"
         if (!s.m || !s.cache || !s.queries || !s.wo || s.wo->empty())
             return result::failure("oracle-W: layer_state.m, .cache, .queries and .wo must be set");
         kvevict_engine::kv_cache& c = *s.cache;
+        if (const result r = check_oracle_cache("oracle-W", s); !r) return r;
         const int H = c.n_kv_heads(), d = c.head_dim(), G = kvevict_engine::query_heads_per_cache_head(s.m->cfg, c), l = s.layer;
         const kvevict::query_view<const float> q = s.queries->view(l, window);
         const int w = q.data ? int(q.extent[2]) : 0;
@@ -267,6 +285,7 @@ inline kvevict_engine::method oracle_method(std::string name = "Oracle-next") {
         if (!s.next_query || !s.next_key || !s.next_value)
             return result::failure("oracle: needs the next token's query, key and value (layer_state::next_*)");
         kvevict_engine::kv_cache& c = *s.cache;
+        if (const result r = check_oracle_cache("oracle", s); !r) return r;
         const int H = c.n_kv_heads(), d = c.head_dim(), G = kvevict_engine::query_heads_per_cache_head(s.m->cfg, c), l = s.layer;
         kvevict::selectors::topk::params sp;
         sp.num_sink = 0;

@@ -617,6 +617,29 @@ TEST_CASE("a cache repeated to q_heads: same logits; per-query-head presets sele
         }
     }
 
+    // query head h reads cache head h: changing the values of one copy changes that query head's output only
+    for (const int target : {1, c.n_heads - 2}) {
+        CAPTURE(target);
+        kv_cache a = copy, b = copy;
+        for (int l = 0; l < c.n_layers; ++l)
+            for (int s = 0; s < n; ++s)
+                for (int i = 0; i < c.head_dim(); ++i) b.value(l, target, s)[i] += 1.0f;
+        std::vector<std::vector<float>> oa(size_t(c.n_layers)), ob(size_t(c.n_layers));
+        forward_options ha, hb;
+        ha.on_head_output = [&](int l, const float* o) { oa[size_t(l)].assign(o, o + c.dim); };
+        hb.on_head_output = [&](int l, const float* o) { ob[size_t(l)].assign(o, o + c.dim); };
+        std::vector<float> x, y;
+        REQUIRE(forward(m, a, prompt[0], x, ha));
+        REQUIRE(forward(m, b, prompt[0], y, hb));
+        // layer 0 sees the same input in both; its head outputs differ exactly in query head `target`
+        for (int h = 0; h < c.n_heads; ++h) {
+            float d = 0;
+            for (int i = 0; i < c.head_dim(); ++i) d = std::max(d, std::abs(oa[0][size_t(h * c.head_dim() + i)] - ob[0][size_t(h * c.head_dim() + i)]));
+            if (h == target) CHECK(d > 1e-3f);  // + (1 - the new slot's weight) in every dimension
+            else CHECK(d == 0.0f);
+        }
+    }
+
     // per_query_head on the repeated cache (the engine's evict_layer) == the library's per_query_head on the
     // GQA-native cache (q_heads selection rows over kv_heads K/V): the same kept positions per query head
     auto check_preset = [&](auto tag, const char* name, bool& group_differs) {
@@ -701,7 +724,10 @@ TEST_CASE("a cache repeated to q_heads: same logits; per-query-head presets sele
         for (int h = 0; h < c.n_kv_heads; ++h) kg += sg.cache().length(l, h);
         for (int h = 0; h < c.n_heads; ++h) {
             kq += sq.cache().length(l, h);
-            CHECK(sq.cache().length(l, h) == snap.length(l, h));
+            REQUIRE(sq.cache().length(l, h) == snap.length(l, h));
+            int same = 0;
+            for (int s = 0; s < snap.length(l, h); ++s) same += sq.cache().position(l, h, s) == snap.position(l, h, s);
+            CHECK(same == snap.length(l, h));  // the session keeps what evict_layer kept, per query head
         }
     }
     CHECK(kq == G * kg);
@@ -717,4 +743,42 @@ TEST_CASE("a cache repeated to q_heads: same logits; per-query-head presets sele
     const result rf = forward(m, odd, 1, le);
     CHECK_FALSE(rf.ok);
     CHECK(rf.error.find("does not match the model") != std::string::npos);
+    kv_cache three(c, 8, 0, G + 1);  // kv_repeat must divide the GQA group
+    const result r3 = forward(m, three, 1, le);
+    CHECK_FALSE(r3.ok);
+    CHECK(r3.error.find("kv_repeat " + std::to_string(G + 1)) != std::string::npos);
+    CHECK(three.length(0, 0) == 0);
+    CHECK(three.next_position == 0);
+
+    // repeated() of an evicted, ragged, paged cache: every copy holds its source head's rows, positions and
+    // pages; next_position and kv_repeat carry over
+    kv_cache pev = paged;
+    for (int l = 0; l < c.n_layers; ++l) {
+        const result re = evict_layer<kvevict::presets::adakv>(state_for(pev, l, &log, kvevict::budget_request::fraction(0.3)),
+                                                              kvevict::presets::adakv::defaults());
+        REQUIRE_MESSAGE(re, re.error);
+    }
+    const kv_cache prep = pev.repeated(G);
+    CHECK(prep.next_position == pev.next_position);
+    CHECK(prep.kv_repeat() == G);
+    CHECK(prep.repeated(1).kv_repeat() == G);
+    bool ragged = false;
+    for (int l = 0; l < c.n_layers; ++l) {
+        int pages = 0;
+        for (int h = 0; h < c.n_heads; ++h) {
+            const int src = h / G, len = pev.length(l, src);
+            REQUIRE(prep.length(l, h) == len);
+            ragged = ragged || len != pev.length(l, 0);
+            CHECK(prep.pages_in_use(l, h) == (len + 15) / 16);
+            pages += prep.pages_in_use(l, h);
+            int same = 0;
+            for (int s = 0; s < len; ++s)
+                same += std::equal(prep.key(l, h, s), prep.key(l, h, s) + c.head_dim(), pev.key(l, src, s)) &&
+                        std::equal(prep.value(l, h, s), prep.value(l, h, s) + c.head_dim(), pev.value(l, src, s)) &&
+                        prep.position(l, h, s) == pev.position(l, src, s);
+            CHECK(same == len);
+        }
+        CHECK(prep.free_pages(l) == prep.num_pages() - pages);
+    }
+    CHECK(ragged);  // AdaKV's head-wise budgets
 }
