@@ -423,6 +423,48 @@ TEST_CASE_TEMPLATE("bad input returns a clear error naming the parameter and lea
   }
 }
 
+TEST_CASE("row_finite (the NaN scan's vectorised row test) equals is_finite_value on every 16-bit pattern and every "
+          "float exponent, at every position of rows of 1 to 70 elements") {
+  // every half and bfloat16 bit pattern, alone and at each position of a row of finite values
+  for (std::uint32_t u = 0; u < 65536; ++u) {
+    const half_t h{static_cast<std::uint16_t>(u)};
+    const bfloat16_t b{static_cast<std::uint16_t>(u)};
+    if (kv::cpu::detail::row_finite(&h, 1) != kv::is_finite_value(h) ||
+        kv::cpu::detail::row_finite(&b, 1) != kv::is_finite_value(b)) {
+      FAIL("row_finite differs from is_finite_value at bits 0x" << std::hex << u);
+    }
+  }
+  // float: every exponent with a few mantissas and both signs
+  for (std::uint32_t e = 0; e < 256; ++e)
+    for (std::uint32_t m : {0u, 1u, 0x400000u, 0x7fffffu})
+      for (std::uint32_t sgn : {0u, 0x80000000u}) {
+        const std::uint32_t u = sgn | (e << 23) | m;
+        float f;
+        std::memcpy(&f, &u, sizeof f);
+        CHECK(kv::cpu::detail::row_finite(&f, 1) == kv::is_finite_value(f));
+      }
+  // one bad element at every position of every row length (vector bodies and remainders)
+  const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity()};
+  int misses = 0;
+  for (std::int64_t n = 1; n <= 70; ++n) {
+    std::vector<float> f(static_cast<std::size_t>(n), 1.5f);
+    std::vector<half_t> h(static_cast<std::size_t>(n), kv::from_float<half_t>(-2.0f));
+    std::vector<bfloat16_t> b(static_cast<std::size_t>(n), kv::from_float<bfloat16_t>(3.0f));
+    misses += !kv::cpu::detail::row_finite(f.data(), n) + !kv::cpu::detail::row_finite(h.data(), n) +
+              !kv::cpu::detail::row_finite(b.data(), n);
+    for (std::int64_t i = 0; i < n; ++i)
+      for (float v : bad) {
+        const std::size_t k = static_cast<std::size_t>(i);
+        f[k] = v, h[k] = kv::from_float<half_t>(v), b[k] = kv::from_float<bfloat16_t>(v);
+        misses += kv::cpu::detail::row_finite(f.data(), n) + kv::cpu::detail::row_finite(h.data(), n) +
+                  kv::cpu::detail::row_finite(b.data(), n);
+        f[k] = 1.5f, h[k] = kv::from_float<half_t>(-2.0f), b[k] = kv::from_float<bfloat16_t>(3.0f);
+      }
+  }
+  CHECK(misses == 0);
+}
+
 TEST_CASE("NaN/inf outside the valid region (padding) is never read; check_finite = false skips the scan") {
   kvtest::shape s;
   s.batch = 2, s.kv_heads = 1, s.group = 1, s.cap = 20, s.d = 8, s.window = 4, s.hidden = 8;

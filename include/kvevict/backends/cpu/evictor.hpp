@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -30,6 +31,34 @@ namespace kvevict {
 namespace cpu {
 namespace detail {
 
+/// True when the n elements at p (unit stride) are all finite. One branch-free pass: each
+/// element's exponent field is tested for all ones (inf or NaN) on its bits and the flags are
+/// ORed, a loop the compiler vectorises (an early-exit loop over is_finite_value is not, and
+/// converts every 16-bit element to float). The scans below take a row through this and walk it
+/// element by element only when it fails, to name the first bad element.
+template <class T>
+inline bool row_finite(const T* p, std::int64_t n) {
+  using U = std::remove_const_t<T>;
+  if constexpr (std::is_same<U, float>::value) {
+    std::uint32_t bad = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::uint32_t u;
+      std::memcpy(&u, p + i, sizeof u);
+      bad |= static_cast<std::uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+    }
+    return bad == 0;
+  } else if constexpr (std::is_same<U, bfloat16_t>::value || std::is_same<U, half_t>::value) {
+    constexpr unsigned e = std::is_same<U, bfloat16_t>::value ? 0x7f80u : 0x7c00u;  // exponent field
+    unsigned bad = 0;
+    for (std::int64_t i = 0; i < n; ++i) bad |= static_cast<unsigned>((p[i].bits & e) == e);
+    return bad == 0;
+  } else {
+    for (std::int64_t i = 0; i < n; ++i)
+      if (!is_finite_value(p[i])) return false;
+    return true;
+  }
+}
+
 /// Scan the valid region of an (batch, heads, seq, dim) view for NaN/inf. rows_valid(b, h)
 /// gives the valid [first, last) slots.
 template <class V, class F>
@@ -38,12 +67,14 @@ inline status scan_finite(const V& v, const char* name, F rows_valid) {
     for (std::int64_t h = 0; h < v.extent[1]; ++h) {
       std::int64_t r0, r1;
       rows_valid(b, h, &r0, &r1);
-      for (std::int64_t s = r0; s < r1; ++s)
+      for (std::int64_t s = r0; s < r1; ++s) {
+        if (v.stride[3] == 1 && v.extent[3] > 0 && row_finite(&v(b, h, s, 0), v.extent[3])) continue;
         for (std::int64_t c = 0; c < v.extent[3]; ++c)
           if (!is_finite_value(v(b, h, s, c)))
             return status::error(errc::non_finite_input, "%s(b=%lld, h=%lld, s=%lld, d=%lld) = %g is not finite", name,
                                  static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(s),
                                  static_cast<long long>(c), static_cast<double>(to_float(v(b, h, s, c))));
+      }
     }
   return {};
 }
@@ -57,6 +88,7 @@ inline status scan_finite_paged(const layer_inputs<T>& in, const kv_view<const T
       const row_source<T> rs = head_rows(in, v, b, h);
       for (std::int64_t s = 0, L = in.length(b, h); s < L; ++s) {
         const T* row = rs.row_ptr(s);
+        if (rs.col_stride == 1 && row_finite(row, v.extent[3])) continue;
         for (std::int64_t c = 0; c < v.extent[3]; ++c)
           if (!is_finite_value(row[c * rs.col_stride]))
             return status::error(errc::non_finite_input, "%s(b=%lld, h=%lld, s=%lld, d=%lld) = %g (page %d) is not finite", name,
