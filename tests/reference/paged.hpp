@@ -24,7 +24,7 @@ inline const char* to_string(pool_layout l) {
 template <class T>
 struct paged_copy {
   std::vector<T> kpool, vpool;
-  std::vector<std::int32_t> indptr, indices, last_page_len, lens;
+  std::vector<std::int32_t> indptr, indices, last_page_len, lens, starts;
   std::int64_t num_pages = 0, page_size = 0;
   kvevict::layer_inputs<T> in;  ///< the paged inputs (queries, W_O, positions as the source's)
 
@@ -53,13 +53,18 @@ struct paged_copy {
 ///  - per_head = true: one table per (sequence, KV head) with last_page_len; one_head_pages: pages
 ///    hold one head (the pool's head stride is 0), else pages span every head.
 /// Unused pool slots are NaN; page ids are shuffled with `seed` (or descending with `reversed`),
-/// with `spare` unused pages.
+/// with `spare` unused pages. with_start: every row r starts at offset (5 r + 3) % page_size of
+/// its first page (pages.start_offset; a left-padded first page), the slots before it NaN.
 template <class T>
 void make_paged(const kvevict::layer_inputs<T>& src, std::int64_t page_size, pool_layout l, bool per_head, bool one_head_pages,
                 std::uint64_t seed, paged_copy<T>& out, bool with_last_page_len = true, std::int64_t spare = 3,
-                bool reversed = false) {
+                bool reversed = false, bool with_start = false) {
   const std::int64_t B = src.batch(), H = src.kv_heads(), d = src.head_dim(), ps = page_size;
   const std::int64_t R = per_head ? B * H : B;
+  out.starts.assign(static_cast<std::size_t>(R), 0);
+  if (with_start)
+    for (std::int64_t r = 0; r < R; ++r) out.starts[static_cast<std::size_t>(r)] = static_cast<std::int32_t>((5 * r + 3) % ps);
+  auto start = [&](std::int64_t r) -> std::int64_t { return out.starts[static_cast<std::size_t>(r)]; };
   std::vector<std::int64_t> row_len(static_cast<std::size_t>(R));
   for (std::int64_t r = 0; r < R; ++r) {
     if (per_head) {
@@ -73,7 +78,7 @@ void make_paged(const kvevict::layer_inputs<T>& src, std::int64_t page_size, poo
   out.indptr.assign(1, 0);
   std::int64_t total = 0, maxp = 0;
   for (std::int64_t r = 0; r < R; ++r) {
-    const std::int64_t n = (row_len[static_cast<std::size_t>(r)] + ps - 1) / ps;
+    const std::int64_t L = row_len[static_cast<std::size_t>(r)], n = L > 0 ? (start(r) + L + ps - 1) / ps : 0;
     total += n;
     maxp = std::max(maxp, n);
     out.indptr.push_back(static_cast<std::int32_t>(total));
@@ -101,9 +106,10 @@ void make_paged(const kvevict::layer_inputs<T>& src, std::int64_t page_size, poo
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t r = per_head ? b * H + h : b;
       for (std::int64_t t = 0; t < src.length(b, h); ++t) {
-        const std::int64_t pg = out.indices[static_cast<std::size_t>(out.indptr[static_cast<std::size_t>(r)] + t / ps)];
+        const std::int64_t m = start(r) + t;  // table position
+        const std::int64_t pg = out.indices[static_cast<std::size_t>(out.indptr[static_cast<std::size_t>(r)] + m / ps)];
         for (std::int64_t c = 0; c < d; ++c) {
-          const std::int64_t o = pg * kv.stride[0] + h * kv.stride[1] + (t % ps) * kv.stride[2] + c * kv.stride[3];
+          const std::int64_t o = pg * kv.stride[0] + h * kv.stride[1] + (m % ps) * kv.stride[2] + c * kv.stride[3];
           out.kpool[static_cast<std::size_t>(o)] = src.keys(b, h, t, c);
           if (src.values.data) out.vpool[static_cast<std::size_t>(o)] = src.values(b, h, t, c);
         }
@@ -117,14 +123,15 @@ void make_paged(const kvevict::layer_inputs<T>& src, std::int64_t page_size, poo
   out.in.pages.batch = B;
   out.in.pages.max_pages_per_row = maxp;
   out.in.pages.per_head = per_head;
+  out.in.pages.start_offset = with_start ? out.starts.data() : nullptr;
   bool equal_lengths = true;
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < H; ++h) equal_lengths = equal_lengths && src.length(b, h) == src.length(b, 0);
   if (with_last_page_len && (per_head || equal_lengths)) {
     out.last_page_len.clear();
     for (std::int64_t r = 0; r < R; ++r) {
-      const std::int64_t L = row_len[static_cast<std::size_t>(r)];
-      out.last_page_len.push_back(static_cast<std::int32_t>(L == 0 ? 0 : L - (L - 1) / ps * ps));
+      const std::int64_t m = start(r) + row_len[static_cast<std::size_t>(r)];  // table positions in use
+      out.last_page_len.push_back(static_cast<std::int32_t>(m == start(r) ? 0 : m - (m - 1) / ps * ps));
     }
     out.in.pages.last_page_len = out.last_page_len.data();
     out.in.lengths = {};

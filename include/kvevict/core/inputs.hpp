@@ -200,9 +200,9 @@ inline status validate_paged_cache_shapes(const paged_cache<T>& cache) {
 template <class T>
 inline std::int64_t row_pages_used(const layer_inputs<T>& in, std::int64_t r) {
   const std::int64_t H = in.kv_heads(), ps = in.page_size();
-  if (in.pages.per_head) return (in.length(r / H, r % H) + ps - 1) / ps;
+  if (in.pages.per_head) return in.pages.pages_for(r, in.length(r / H, r % H), ps);
   std::int64_t used = 0;
-  for (std::int64_t h = 0; h < H; ++h) used = std::max(used, (in.length(r, h) + ps - 1) / ps);
+  for (std::int64_t h = 0; h < H; ++h) used = std::max(used, in.pages.pages_for(r, in.length(r, h), ps));
   return used;
 }
 
@@ -226,6 +226,13 @@ inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, s
     if (t.last_page_len && n > 0 && (t.last_page_len[r] < 1 || t.last_page_len[r] > ps))
       return status::error(errc::invalid_argument, "pages.last_page_len[%lld] = %d must be in [1, page_size = %lld]",
                            static_cast<long long>(r), t.last_page_len[r], static_cast<long long>(ps));
+    if (t.start_offset && (t.start_offset[r] < 0 || t.start_offset[r] >= ps))
+      return status::error(errc::invalid_argument, "pages.start_offset[%lld] = %d must be in [0, page_size = %lld)",
+                           static_cast<long long>(r), t.start_offset[r], static_cast<long long>(ps));
+    if (t.start_offset && t.last_page_len && n == 1 && t.last_page_len[r] <= t.start_offset[r])
+      return status::error(errc::invalid_argument,
+                           "pages.start_offset[%lld] = %d >= last_page_len = %d of a row of one page: the row holds no token",
+                           static_cast<long long>(r), t.start_offset[r], t.last_page_len[r]);
   }
   for (std::int64_t b = 0; b < t.batch; ++b)
     for (std::int64_t h = 0; h < H; ++h) {
@@ -237,13 +244,14 @@ inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, s
       if (in.lengths.data) {
         const std::int64_t L = in.lengths(b, h);
         if (t.last_page_len && L != t.table_length(r, ps))
-          return status::error(errc::invalid_argument, "lengths(%lld, %lld) = %lld != the page table's %lld tokens of row %lld ((pages - 1) * page_size + last_page_len)",
+          return status::error(errc::invalid_argument, "lengths(%lld, %lld) = %lld != the page table's %lld tokens of row %lld ((pages - 1) * page_size + last_page_len - start_offset)",
                                static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(L),
                                static_cast<long long>(t.table_length(r, ps)), static_cast<long long>(r));
-        if (L < 0 || L > t.pages(r) * ps)
-          return status::error(errc::invalid_argument, "lengths(%lld, %lld) = %lld is outside [0, pages * page_size = %lld] of page table row %lld",
+        if (L < 0 || L > t.pages(r) * ps - t.start(r))
+          return status::error(errc::invalid_argument,
+                               "lengths(%lld, %lld) = %lld is outside [0, pages * page_size - start_offset = %lld] of page table row %lld",
                                static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(L),
-                               static_cast<long long>(t.pages(r) * ps), static_cast<long long>(r));
+                               static_cast<long long>(t.pages(r) * ps - t.start(r)), static_cast<long long>(r));
       }
     }
   // Page ids of the pages that hold tokens; repeats through a bitmap of (page[, head]) slots.
@@ -255,7 +263,7 @@ inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, s
   // seen: 0 unused, 1 used by one row, 2 a shared prefix page (any number of rows, prefix only).
   for (std::int64_t r = 0; r < R; ++r) {
     const std::int64_t h = t.per_head ? r % H : 0;
-    const std::int64_t used = row_pages_used(in, r), shared = t.prefix(t.per_head ? r / H : r) / ps;
+    const std::int64_t used = row_pages_used(in, r), shared = t.shared_pages(r, t.per_head ? r / H : r, ps);
     for (std::int64_t i = 0; i < used; ++i) {
       const std::int32_t pg = t.indices[t.indptr[r] + i];
       if (pg < 0 || pg >= P)

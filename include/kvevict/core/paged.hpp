@@ -32,6 +32,18 @@ namespace kvevict {
 ///                 both, they must agree.
 ///   max_pages_per_row: the capacity bound: layer_inputs::capacity() = max_pages_per_row *
 ///                 page_size (vLLM's max_blocks_per_seq; FlashInfer: the largest row).
+///   start_offset  (rows), optional: row r's first token lies at offset start_offset[r] of its
+///                 first page, in [0, page_size): logical slot t is the row's token at table
+///                 position start_offset[r] + t (page indices[indptr[r] + (start + t) /
+///                 page_size], offset (start + t) % page_size), and the table's length is
+///                 (pages - 1) * page_size + last_page_len - start_offset[r] (at least 1 for a
+///                 row with pages). Left-padded batches (HF-style batched generation): a
+///                 contiguous (batch, kv_heads, seq, head_dim) cache whose sequence b starts at
+///                 slot pad[b] is a pool of `batch` pages of page_size = seq, with indptr
+///                 [0, 1, ..., batch], indices [0, ..., batch - 1], last_page_len seq and
+///                 start_offset pad (no copy; docs/integration.md). Slots, positions and
+///                 selections are logical (slot 0 = the first real token); compaction keeps the
+///                 offset (kept token j moves to table position start_offset[r] + j).
 ///
 ///   protected_prefix (batch), optional: sequence b's first protected_prefix[b] tokens are a
 ///                 prefix shared with other sequences (prefix caching): the pages that hold only
@@ -52,6 +64,7 @@ struct page_table_view {
   std::int64_t batch = 0;
   std::int64_t max_pages_per_row = 0;
   bool per_head = false;
+  const std::int32_t* start_offset = nullptr;  ///< (rows), optional: see above (last: aggregate order kept)
 
   KVEVICT_HOST_DEVICE bool empty() const { return indptr == nullptr; }
   /// Rows of the table for `kv_heads` KV heads.
@@ -64,10 +77,24 @@ struct page_table_view {
   KVEVICT_HOST_DEVICE std::int64_t pages(std::int64_t r) const { return static_cast<std::int64_t>(indptr[r + 1]) - indptr[r]; }
   /// Protected prefix tokens of sequence b (0 without protected_prefix).
   KVEVICT_HOST_DEVICE std::int64_t prefix(std::int64_t b) const { return protected_prefix ? protected_prefix[b] : 0; }
+  /// Offset of row r's first token in its first page (0 without start_offset).
+  KVEVICT_HOST_DEVICE std::int64_t start(std::int64_t r) const { return start_offset ? start_offset[r] : 0; }
   /// Tokens of row r from the table (needs last_page_len).
   KVEVICT_HOST_DEVICE std::int64_t table_length(std::int64_t r, std::int64_t page_size) const {
     const std::int64_t n = pages(r);
-    return n > 0 ? (n - 1) * page_size + last_page_len[r] : 0;
+    return n > 0 ? (n - 1) * page_size + last_page_len[r] - start(r) : 0;
+  }
+  /// Pages row r needs for its first n tokens: ceil((start + n) / page_size), 0 for n <= 0.
+  KVEVICT_HOST_DEVICE std::int64_t pages_for(std::int64_t r, std::int64_t n, std::int64_t page_size) const {
+    return n > 0 ? (start(r) + n + page_size - 1) / page_size : 0;
+  }
+  /// last_page_len of row r when it holds n tokens (0 for none).
+  KVEVICT_HOST_DEVICE std::int64_t last_len_for(std::int64_t r, std::int64_t n, std::int64_t page_size) const {
+    return n > 0 ? start(r) + n - (pages_for(r, n, page_size) - 1) * page_size : 0;
+  }
+  /// Leading pages of row r that hold only protected-prefix tokens of sequence b (shareable).
+  KVEVICT_HOST_DEVICE std::int64_t shared_pages(std::int64_t r, std::int64_t b, std::int64_t page_size) const {
+    return prefix(b) > 0 ? (start(r) + prefix(b)) / page_size : 0;
   }
 };
 

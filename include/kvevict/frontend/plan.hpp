@@ -84,7 +84,7 @@ struct layer_signature {
     s.v[i++] = in.paged() ? in.pages.batch : -1;
     s.v[i++] = in.paged() ? in.pages.max_pages_per_row : -1;
     s.v[i++] = in.paged() ? (in.pages.per_head ? 1 : 0) + (in.pages.last_page_len ? 2 : 0) + (in.pages.indices ? 4 : 0) +
-                                (in.pages.protected_prefix ? 8 : 0)
+                                (in.pages.protected_prefix ? 8 : 0) + (in.pages.start_offset ? 16 : 0)
                           : -1;
     return s;
   }

@@ -14,6 +14,7 @@
 #include "reference/paged.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <set>
@@ -65,14 +66,19 @@ void check_same_cache(const kvtest::paged_copy<T>& pg, const compacted& r, const
   bool same = true;
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < H; ++h) {
-      const std::int64_t row = t.per_head ? b * H + h : b;
+      const std::int64_t row = t.per_head ? b * H + h : b, st = t.start(row);  // slot i at table position st + i
       const std::int64_t n = kept[static_cast<std::size_t>(b * H + h)];
       CHECK(r.lengths[static_cast<std::size_t>(b * H + h)] == n);
+      const auto& kv = pg.in.keys;
+      for (std::int64_t m = 0; m < st && n > 0; ++m) {  // the first page's slots before the offset: never written (NaN)
+        const std::int64_t page = pg.indices[static_cast<std::size_t>(pg.indptr[static_cast<std::size_t>(row)])];
+        const std::int64_t o = page * kv.stride[0] + h * kv.stride[1] + m * kv.stride[2];
+        same = same && std::isnan(kvevict::to_float(pg.kpool[static_cast<std::size_t>(o)])) && std::isnan(kvevict::to_float(pg.vpool[static_cast<std::size_t>(o)]));
+      }
       for (std::int64_t i = 0; i < n; ++i) {
-        const std::int64_t page = pg.indices[static_cast<std::size_t>(pg.indptr[static_cast<std::size_t>(row)] + i / ps)];
+        const std::int64_t page = pg.indices[static_cast<std::size_t>(pg.indptr[static_cast<std::size_t>(row)] + (st + i) / ps)];
         for (std::int64_t c = 0; c < d; ++c) {
-          const auto& kv = pg.in.keys;
-          const std::int64_t o = page * kv.stride[0] + h * kv.stride[1] + (i % ps) * kv.stride[2] + c * kv.stride[3];
+          const std::int64_t o = page * kv.stride[0] + h * kv.stride[1] + ((st + i) % ps) * kv.stride[2] + c * kv.stride[3];
           const std::size_t oc = static_cast<std::size_t>(((b * H + h) * cap + i) * d + c);
           same = same && std::memcmp(&pg.kpool[static_cast<std::size_t>(o)], &kc[oc], sizeof(T)) == 0;
           same = same && std::memcmp(&pg.vpool[static_cast<std::size_t>(o)], &vc[oc], sizeof(T)) == 0;
@@ -88,9 +94,9 @@ void check_same_cache(const kvtest::paged_copy<T>& pg, const compacted& r, const
     } else {
       for (std::int64_t h = 0; h < H; ++h) n = std::max<std::int64_t>(n, kept[static_cast<std::size_t>(row * H + h)]);
     }
-    const std::int64_t np = (n + ps - 1) / ps;
+    const std::int64_t st = t.start(row), np = n == 0 ? 0 : (st + n + ps - 1) / ps;
     CHECK(r.pages_kept[static_cast<std::size_t>(row)] == np);
-    CHECK(r.last_page_len[static_cast<std::size_t>(row)] == (n == 0 ? 0 : n - (np - 1) * ps));
+    CHECK(r.last_page_len[static_cast<std::size_t>(row)] == (n == 0 ? 0 : st + n - (np - 1) * ps));
     for (std::int64_t i = np; i < used_pages[static_cast<std::size_t>(row)]; ++i)
       expect_freed.push_back(pg.indices[static_cast<std::size_t>(pg.indptr[static_cast<std::size_t>(row)] + i)]);
   }
@@ -130,7 +136,7 @@ struct fixture {
       } else {
         for (std::int64_t h = 0; h < H; ++h) L = std::max(L, st.in.length(r, h));
       }
-      u.push_back((L + pg.page_size - 1) / pg.page_size);
+      u.push_back(L == 0 ? 0 : (pg.in.pages.start(r) + L + pg.page_size - 1) / pg.page_size);
     }
     return u;
   }
@@ -138,11 +144,11 @@ struct fixture {
 
 template <class Policy, class T>
 void check_mode_ab(const char* name, const fixture<T>& f, typename Policy::params params, kv::budget_request budget, std::int64_t ps,
-                   kvtest::pool_layout pool, bool per_head, bool one_head_pages, bool reversed, std::uint64_t seed) {
+                   kvtest::pool_layout pool, bool per_head, bool one_head_pages, bool reversed, std::uint64_t seed, bool start = false) {
   INFO(std::string(name) << " page_size " << ps << " pool " << std::string(kvtest::to_string(pool)) << " per_head " << per_head
-                         << " one_head_pages " << one_head_pages << " reversed " << reversed);
+                         << " one_head_pages " << one_head_pages << " reversed " << reversed << " start_offset " << start);
   kvtest::paged_copy<T> pg;
-  kvtest::make_paged(f.st.in, ps, pool, per_head, one_head_pages, seed, pg, true, 3, reversed);
+  kvtest::make_paged(f.st.in, ps, pool, per_head, one_head_pages, seed, pg, true, 3, reversed, start);
   kv::evictor<Policy, kv::cpu::backend> ev(params);
   const auto a = kvtest::run_lib(ev, f.st.in, budget);
   const auto b = kvtest::run_lib(ev, pg.in, budget);
@@ -249,6 +255,50 @@ TEST_CASE("compact_paged mode c: one token set per sequence for every head and l
       INFO(std::string(r.st.message()));
       check_same_cache(pg, r, kc, vc, f.B, f.H, f.cap, f.d, kept, f.used_pages(pg));
     }
+}
+
+TEST_CASE("compact_paged with rows that start inside their first page (pages.start_offset): modes a, b and c keep the offset") {
+  std::uint64_t seed = 300;
+  const fixture<float> f({150, 150, 97, 97}, 51);
+  const fixture<float> fr({150, 97, 33, 150}, 52);
+  const fixture<kv::bfloat16_t> fb({150, 97, 33, 150}, 53);
+  for (std::int64_t ps : {16, 64})
+    for (bool rev : {false, true}) {
+      // mode a: per-sequence tables, uniform budgets
+      check_mode_ab<kv::presets::snapkv>("snapkv", f, kv::presets::snapkv::defaults(), kv::budget_request::tokens(40), ps,
+                                         kvtest::pool_layout::nhd, false, false, rev, seed++, true);
+      check_mode_ab<kv::presets::streaming_llm>("streaming_llm", f, kv::presets::streaming_llm::defaults(), kv::budget_request::tokens(20),
+                                                ps, kvtest::pool_layout::token_innermost, false, false, rev, seed++, true);
+      // mode b: per-(sequence, KV head) tables, head-wise budgets, each row its own offset
+      check_mode_ab<kv::presets::adakv>("adakv", fr, kv::presets::adakv::defaults(), kv::budget_request::fraction(0.2), ps,
+                                        kvtest::pool_layout::nhd, true, true, rev, seed++, true);
+      check_mode_ab<kv::presets::pyramidkv>("pyramidkv", fb, kv::presets::pyramidkv::defaults(), kv::budget_request::fraction(0.3), ps,
+                                            kvtest::pool_layout::hnd, true, false, rev, seed++, true);
+    }
+  // mode c: one set per sequence (the union of SnapKV's and AdaKV's heads) on a table with offsets
+  kvtest::paged_copy<float> pg;
+  kvtest::make_paged(f.st.in, 16, kvtest::pool_layout::hnd, false, false, 77, pg, true, 2, false, true);
+  kv::evictor<kv::presets::snapkv, kv::cpu::backend> e0;
+  kv::evictor<kv::presets::adakv, kv::cpu::backend> e1;
+  const auto s0 = kvtest::run_lib(e0, pg.in, kv::budget_request::fraction(0.2));
+  const auto s1 = kvtest::run_lib(e1, pg.in, kv::budget_request::fraction(0.2));
+  REQUIRE(s0.st.ok());
+  REQUIRE(s1.st.ok());
+  const kv::const_selection_view in_sels[2] = {{s0.indptr.data(), s0.indices.data(), f.B * f.H}, {s1.indptr.data(), s1.indices.data(), f.B * f.H}};
+  std::vector<std::int32_t> uptr(static_cast<std::size_t>(f.B + 1)), uidx(s0.indices.size() + s1.indices.size());
+  REQUIRE(kv::cpu::union_selections(in_sels, 2, f.H, kv::selection_view{uptr.data(), uidx.data(), nullptr, static_cast<std::int64_t>(uidx.size())}).ok());
+  std::vector<std::int32_t> rptr(1, 0), ridx, kept;
+  for (std::int64_t b = 0; b < f.B; ++b)
+    for (std::int64_t h = 0; h < f.H; ++h) {
+      ridx.insert(ridx.end(), uidx.begin() + uptr[static_cast<std::size_t>(b)], uidx.begin() + uptr[static_cast<std::size_t>(b + 1)]);
+      rptr.push_back(static_cast<std::int32_t>(ridx.size()));
+      kept.push_back(uptr[static_cast<std::size_t>(b + 1)] - uptr[static_cast<std::size_t>(b)]);
+    }
+  std::vector<float> kc, vc;
+  f.contiguous_compacted(rptr, ridx, kc, vc);
+  const compacted r = compact_pool(pg, kv::const_selection_view(uptr.data(), uidx.data(), f.B));
+  INFO(std::string(r.st.message()));
+  check_same_cache(pg, r, kc, vc, f.B, f.H, f.cap, f.d, kept, f.used_pages(pg));
 }
 
 TEST_CASE("compact_paged and union_selections: bad input is a named error and leaves the cache untouched") {

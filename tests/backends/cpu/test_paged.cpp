@@ -30,19 +30,21 @@ struct paged_case {
   kvtest::pool_layout pool = kvtest::pool_layout::nhd;
   bool per_head = false, one_head_pages = false, last_page_len = true;
   std::uint64_t seed = 1;
+  bool start = false;  ///< rows start inside their first page (pages.start_offset)
 };
 
 template <class Policy, class T>
 void check_paged_equals_contiguous(const char* name, const kvtest::stored<T>& st, const typename Policy::params& params,
                                    const paged_case& pc) {
   kvtest::paged_copy<T> pg;
-  kvtest::make_paged(st.in, pc.page_size, pc.pool, pc.per_head, pc.one_head_pages, pc.seed, pg, pc.last_page_len);
+  kvtest::make_paged(st.in, pc.page_size, pc.pool, pc.per_head, pc.one_head_pages, pc.seed, pg, pc.last_page_len, 3, false, pc.start);
+  if (pc.start) REQUIRE(pg.in.pages.start_offset != nullptr);
   kv::evictor<Policy, kv::cpu::backend> ev(params);
   for (double f : {0.15, 0.5}) {
     const auto a = kvtest::run_lib(ev, st.in, kv::budget_request::fraction(f));
     const auto b = kvtest::run_lib(ev, pg.in, kv::budget_request::fraction(f));
     INFO(std::string(name) << " page_size " << pc.page_size << " pool " << std::string(kvtest::to_string(pc.pool)) << " per_head " << pc.per_head
-              << " one_head_pages " << pc.one_head_pages << " last_page_len " << pc.last_page_len << " keep " << f << ": "
+              << " one_head_pages " << pc.one_head_pages << " last_page_len " << pc.last_page_len << " start " << pc.start << " keep " << f << ": "
               << std::string(a.st.message()) << " | " << std::string(b.st.message()));
     REQUIRE(a.st.ok());
     REQUIRE(b.st.ok());
@@ -213,7 +215,7 @@ TEST_CASE("paged: bad page tables are named errors and leave the outputs untouch
       c.in.lengths = kv::per_head_lengths(long_lens.data(), 2, 2);
       c.in.pages.last_page_len = nullptr;
     });
-    check_paged_error<snap>(r.in, kv::errc::invalid_argument, "lengths(0, 1) = 49 is outside [0, pages * page_size = 48]");
+    check_paged_error<snap>(r.in, kv::errc::invalid_argument, "lengths(0, 1) = 49 is outside [0, pages * page_size - start_offset = 48]");
   }
   {  // indptr: not starting at 0, decreasing, more pages than max_pages_per_row
     auto q = with([](kvtest::paged_copy<float>& c) { c.indptr[0] = 1; });
@@ -271,6 +273,100 @@ TEST_CASE("paged: every page that holds a token is checked, whichever head is lo
   bad = pg.in;
   bad.pages.max_pages_per_row = -3;
   CHECK(ev.workspace_size(bad) == 0);
+}
+
+TEST_CASE("paged: rows that start inside their first page (pages.start_offset) equal the contiguous view, every preset") {
+  const std::vector<std::int32_t> ragged = {150, 97, 33, 150}, per_seq = {150, 150, 61, 61};
+  std::uint64_t seed = 120;
+  for (std::int64_t ps : {16, 64}) {
+    // per-sequence tables, lengths from `lengths` (ragged) and from last_page_len
+    check_every_preset<float>({ps, kvtest::pool_layout::nhd, false, false, false, seed++, true}, kvtest::layout::hnd, ragged);
+    check_every_preset<kv::half_t>({ps, kvtest::pool_layout::hnd, false, false, true, seed++, true}, kvtest::layout::nhd, per_seq);
+    // per-(sequence, KV head) tables, each row its own offset
+    check_every_preset<kv::bfloat16_t>({ps, kvtest::pool_layout::token_innermost, true, true, true, seed++, true}, kvtest::layout::hnd,
+                                       ragged);
+    check_every_preset<float>({ps, kvtest::pool_layout::hnd, true, false, true, seed++, true}, kvtest::layout::padded, ragged);
+  }
+  check_every_preset<float>({16, kvtest::pool_layout::nhd, false, false, true, seed++, true}, kvtest::layout::hnd, per_seq, 2,
+                            kv::gqa_reduction::layer_mean);
+}
+
+TEST_CASE("paged: a left-padded contiguous batch (HF-style) read in place as one page per sequence with start_offset") {
+  // reference: sequences of 50 and 43 (and 31) tokens, contiguous HND with lengths
+  kvtest::shape sh;
+  sh.batch = 3, sh.kv_heads = 2, sh.group = 2, sh.cap = 50, sh.d = 8, sh.window = 4, sh.hidden = 16;
+  kvtest::problem p = kvtest::make_problem(sh, 62, 1.0, 1.0, 1.0, {50, 50, 43, 43, 31, 31});
+  kvtest::stored<float> st;
+  kvtest::store(p, kvtest::layout::hnd, st);
+  // the same batch left-padded in one [3][2][50][8] buffer: sequence b starts at slot pad[b], NaN before
+  const std::int64_t B = 3, H = 2, S = 50, d = 8;
+  std::vector<float> kbuf(static_cast<std::size_t>(B * H * S * d), std::nanf("")), vbuf(kbuf.size(), std::nanf(""));
+  const std::int32_t pad[3] = {0, 7, 19};
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < S - pad[b]; ++t)
+        for (std::int64_t c = 0; c < d; ++c) {
+          kbuf[static_cast<std::size_t>(((b * H + h) * S + pad[b] + t) * d + c)] = static_cast<float>(p.K[p.kv_idx(b, h, t, c)]);
+          vbuf[static_cast<std::size_t>(((b * H + h) * S + pad[b] + t) * d + c)] = static_cast<float>(p.V[p.kv_idx(b, h, t, c)]);
+        }
+  // the buffer is a pool of B pages of page_size S (HND), one page per sequence, its row starting at pad[b]
+  const std::vector<std::int32_t> indptr = {0, 1, 2, 3}, indices = {0, 1, 2}, last = {50, 50, 50};
+  const std::vector<std::int32_t> start(pad, pad + 3);
+  kv::layer_inputs<float> in = st.in;
+  in.lengths = {};
+  in.keys = kv::make_page_pool<const float>(kbuf.data(), B, H, S, d, kv::kv_layout::hnd);
+  in.values = kv::make_page_pool<const float>(vbuf.data(), B, H, S, d, kv::kv_layout::hnd);
+  in.pages = kv::make_page_table(indptr.data(), indices.data(), last.data(), B, 1);
+  in.pages.start_offset = start.data();
+  auto check = [&](auto tag, const char* name) {
+    using P = typename decltype(tag)::type;
+    kv::evictor<P, kv::cpu::backend> ev;
+    for (double f : {0.3, 0.7}) {
+      const auto a = kvtest::run_lib(ev, st.in, kv::budget_request::fraction(f));
+      const auto b = kvtest::run_lib(ev, in, kv::budget_request::fraction(f));
+      INFO(name << " keep " << f << ": " << std::string(b.st.message()));
+      REQUIRE(a.st.ok());
+      REQUIRE(b.st.ok());
+      CHECK(a.indptr == b.indptr);
+      CHECK(a.indices == b.indices);
+      CHECK(a.positions == b.positions);
+      bool same = true;  // scores bit for bit over each row's valid slots
+      for (std::int64_t r = 0; r < a.rows; ++r)
+        same = same && std::memcmp(a.row_scores(r), b.row_scores(r), static_cast<std::size_t>(st.in.length(r / H, r % H)) * sizeof(float)) == 0;
+      CHECK(same);
+    }
+  };
+  check(std::common_type<kv::presets::snapkv>{}, "snapkv");
+  check(std::common_type<kv::presets::restkv>{}, "restkv");
+  check(std::common_type<kv::presets::adakv>{}, "adakv");
+  check(std::common_type<kv::presets::pyramidkv>{}, "pyramidkv");
+  check(std::common_type<kv::presets::h2o>{}, "h2o");
+  check(std::common_type<kv::presets::key_norm>{}, "key_norm");
+  // bad offsets: named, nothing written
+  kv::evictor<kv::presets::snapkv, kv::cpu::backend> ev;
+  auto expect = [&](const std::vector<std::int32_t>& so, const std::vector<std::int32_t>& lp, const char* what) {
+    kv::layer_inputs<float> bad = in;
+    bad.pages.start_offset = so.data();
+    bad.pages.last_page_len = lp.data();
+    const auto r = kvtest::run_lib(ev, bad, kv::budget_request::fraction(0.3));
+    INFO(std::string(r.st.message()));
+    CHECK(r.st.code() == kv::errc::invalid_argument);
+    CHECK(std::string(r.st.message()).find(what) != std::string::npos);
+  };
+  expect({0, 50, 19}, last, "pages.start_offset[1] = 50 must be in [0, page_size = 50)");
+  expect({0, -1, 19}, last, "pages.start_offset[1] = -1 must be in [0, page_size = 50)");
+  expect({0, 7, 19}, {50, 7, 50}, "pages.start_offset[1] = 7 >= last_page_len = 7 of a row of one page");
+  // lengths given instead of last_page_len must fit after the offset
+  {
+    kv::layer_inputs<float> bad = in;
+    bad.pages.last_page_len = nullptr;
+    const std::vector<std::int32_t> lens = {50, 50, 44, 43, 31, 31};
+    bad.lengths = kv::per_head_lengths(lens.data(), B, H);
+    const auto r = kvtest::run_lib(ev, bad, kv::budget_request::fraction(0.3));
+    INFO(std::string(r.st.message()));
+    CHECK(r.st.code() == kv::errc::invalid_argument);
+    CHECK(std::string(r.st.message()).find("lengths(1, 0) = 44 is outside [0, pages * page_size - start_offset = 43]") != std::string::npos);
+  }
 }
 
 TEST_CASE("paged: a left-padded batch through a token-slot table (docs/integration.md) selects as the unpadded sequences") {

@@ -1698,8 +1698,11 @@ void for_paged_copies(const host_case<T>& c, F&& f) {
       for (int kind = 0; kind < 3; ++kind) {  // 0 per-sequence table, 1 per-head over all-head pages, 2 per-head one-head pages
         kvtest::paged_copy<T> pc;
         ++seed;
-        kvtest::make_paged(hin, ps, lay, kind > 0, kind == 2, seed, pc, /*with_last_page_len=*/seed % 2 == 0, 3, /*reversed=*/seed % 5 == 0);
-        const std::string label = std::string(kvtest::to_string(lay)) + " ps " + std::to_string(ps) + (kind == 0 ? " per-seq" : kind == 1 ? " per-head" : " per-head one-head pages");
+        const bool start = ps > 1 && seed % 3 == 1;  // rows that begin inside their first page (pages.start_offset)
+        kvtest::make_paged(hin, ps, lay, kind > 0, kind == 2, seed, pc, /*with_last_page_len=*/seed % 2 == 0, 3, /*reversed=*/seed % 5 == 0,
+                           start);
+        const std::string label = std::string(kvtest::to_string(lay)) + " ps " + std::to_string(ps) +
+                                  (kind == 0 ? " per-seq" : kind == 1 ? " per-head" : " per-head one-head pages") + (start ? " start_offset" : "");
         f(pc, hin, label);
       }
 }
@@ -1794,13 +1797,27 @@ TEST_CASE("host: the device page-table checks (check_page_row) accept valid tabl
       bad.in.pages.protected_prefix = prefix.data();
       CHECK(has(first_error(bad), "pages.protected_prefix[1] = 24 is outside [0, 23]"));
       bad.in.pages.protected_prefix = nullptr;
+      std::vector<std::int32_t> so(static_cast<std::size_t>(bad.in.pages.rows(2)), 0);
+      bad.in.pages.start_offset = so.data();
+      so[1] = 16;
+      CHECK(has(first_error(bad), "pages.start_offset[1] = 16 must be in [0, page_size = 16)"));
+      so[1] = -2;
+      CHECK(has(first_error(bad), "pages.start_offset[1] = -2 must be in [0, page_size = 16)"));
+      bad.in.pages.start_offset = nullptr;
+      {
+        kv::cuda::device_status e{};
+        e.code = static_cast<std::int32_t>(kv::errc::invalid_argument);
+        e.check = static_cast<std::int32_t>(kv::cuda::device_check::page_start_empty);
+        e.a0 = 2, e.a1 = 9, e.a2 = 9;
+        CHECK(has(kv::cuda::to_status(e), "pages.start_offset[2] = 9 >= last_page_len = 9 of a row of one page"));
+      }
       std::vector<std::int32_t> lens = {40, 40, 23, 23};  // lengths beside last_page_len: must agree
       bad.in.lengths = kv::per_head_lengths(lens.data(), 2, 2);
       lens[2] = 22;
       CHECK(has(first_error(bad), "lengths(1, 0) = 22 != the page table's 23 tokens"));
       bad.in.pages.last_page_len = nullptr;  // lengths alone: at most pages * page_size
       lens[2] = 33;
-      CHECK(has(first_error(bad), "lengths(1, 0) = 33 is outside [0, pages * page_size = 32]"));
+      CHECK(has(first_error(bad), "lengths(1, 0) = 33 is outside [0, pages * page_size - start_offset = 32]"));
     }
   }
 }
@@ -1939,10 +1956,11 @@ template <class T>
 struct device_paged {
   dbuf<T> k, v, q;
   dbuf<float> wo;
-  dbuf<std::int32_t> ip, ix, lpl, lens, pos;
+  dbuf<std::int32_t> ip, ix, lpl, lens, pos, so;
   kv::layer_inputs<T> in;
   device_paged(const kvtest::paged_copy<T>& pc, const host_case<T>& c)
-      : k(pc.kpool), v(pc.vpool), q(c.q), wo(c.wo), ip(pc.indptr), ix(pc.indices), lpl(pc.last_page_len), lens(pc.lens), pos(c.pos) {
+      : k(pc.kpool), v(pc.vpool), q(c.q), wo(c.wo), ip(pc.indptr), ix(pc.indices), lpl(pc.last_page_len), lens(pc.lens), pos(c.pos),
+        so(pc.starts) {
     in = pc.in;
     in.keys.data = k.p;
     if (in.values.data) in.values.data = v.p;
@@ -1952,6 +1970,7 @@ struct device_paged {
     in.pages.indptr = ip.p;
     in.pages.indices = ix.p;
     in.pages.last_page_len = pc.in.pages.last_page_len ? lpl.p : nullptr;
+    in.pages.start_offset = pc.in.pages.start_offset ? so.p : nullptr;
     if (in.lengths.data) in.lengths.data = lens.p;
   }
 };
@@ -1977,6 +1996,9 @@ void compare_paged(const char* name, const host_case<T>& c, const typename P::pa
     CAPTURE(label);
     kvtest::paged_copy<T> pc = pc0;
     pc.in.pages.max_pages_per_row = c.S / pc.page_size;
+    std::int64_t need = 0;  // a row that starts inside its first page may need one page more than S / page_size
+    for (std::size_t r = 0; r + 1 < pc.indptr.size(); ++r) need = std::max<std::int64_t>(need, pc.indptr[r + 1] - pc.indptr[r]);
+    if (need > pc.in.pages.max_pages_per_row) return;  // another capacity would split the keys differently: not comparable bit for bit
     device_paged<T> dp(pc, c);
     const bool host_lengths = (ps.runs % 2) == 0;
     const auto got = gpu_run_inputs<P>(dp.in, host_lengths ? hl.data() : nullptr, p, budget);
@@ -2136,9 +2158,10 @@ paged_expect expect_result(const kvtest::paged_copy<T>& pc, const case_meta& c, 
     const int b = per_head ? r / H : r, h = per_head ? r % H : 0;
     int len = 0;
     for (int hh = per_head ? h : 0; hh < (per_head ? h + 1 : H); ++hh) len = std::max(len, c.len_of(b, hh));
-    const int k = kept(b, h), np = (k + ps - 1) / ps, used = (len + ps - 1) / ps;
+    const int st = pc.in.pages.start_offset ? pc.starts[static_cast<std::size_t>(r)] : 0;  // table position of slot 0
+    const int k = kept(b, h), np = k == 0 ? 0 : (st + k + ps - 1) / ps, used = len == 0 ? 0 : (st + len + ps - 1) / ps;
     e.pages_kept.push_back(np);
-    e.last_page_len.push_back(k == 0 ? 0 : k - (np - 1) * ps);
+    e.last_page_len.push_back(k == 0 ? 0 : st + k - (np - 1) * ps);
     for (int i = 0; i < used; ++i) state[static_cast<std::size_t>(pc.indices[static_cast<std::size_t>(pc.indptr[r] + i)])] |= i < np ? 1 : 2;
   }
   for (int b = 0; b < c.B; ++b)
@@ -2197,6 +2220,7 @@ kv::status device_compact(const kvtest::paged_copy<T>& pc, const host_case<T>& c
   hcache.pages.indptr = hc.indptr.data();
   hcache.pages.indices = hc.indices.data();
   hcache.pages.last_page_len = pc.in.pages.last_page_len ? hc.last_page_len.data() : nullptr;
+  hcache.pages.start_offset = pc.in.pages.start_offset ? hc.starts.data() : nullptr;
   hcache.pages.protected_prefix = prefix;
   if (cache.lengths.data) hcache.lengths = kv::per_head_lengths(hc.lens.data(), c.B, c.Hkv);
   std::vector<std::int32_t> hpk(static_cast<std::size_t>(R)), hlp(static_cast<std::size_t>(R)), hln(static_cast<std::size_t>(c.B) * c.Hkv),

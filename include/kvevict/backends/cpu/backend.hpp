@@ -266,6 +266,7 @@ inline row_source<T> head_rows(const layer_inputs<T>& in, const kv_view<const T>
     s.pages = in.pages.indices + in.pages.indptr[r];
     s.page_size = v.extent[2];
     s.page_stride = v.stride[0];
+    s.page_offset = in.pages.start(r);  // slot 0 is the row's token at table position start_offset
   } else {
     s.base = v.data + b * v.stride[0] + h * v.stride[1];
   }

@@ -65,8 +65,10 @@ std::size_t compact_paged_workspace_size(const paged_cache<T>& cache) {
 /// own within its own row's pages, whatever the page order, so a page that is written before it
 /// is read (shuffled, non-monotone tables) never loses a token. Tokens kept at their own slot
 /// (a protected prefix: sinks, a shared prefix) are not touched, and their pages are not freed.
+/// A row's start_offset stays: kept token j moves to table position start_offset + j, and the
+/// result's pages_kept and last_page_len count from that offset (the engine keeps its offsets).
 /// Errors (nothing written, cache untouched): the table's (as layer_inputs::pages: ids in range,
-/// no page twice, last_page_len, lengths), sel.rows not batch * kv_heads (nor batch), indices
+/// no page twice, last_page_len, start_offset, lengths), sel.rows not batch * kv_heads (nor batch), indices
 /// not ascending or outside a row's length, unequal kept counts under a per-sequence table,
 /// result buffers null or freed_capacity too small, workspace too small.
 template <class T>
@@ -129,7 +131,7 @@ template <class T>
   unsigned char* state = static_cast<unsigned char*>(workspace);
   auto row_kept_pages = [&](std::int64_t r) {
     const std::int64_t b = t.per_head ? r / H : r, h = t.per_head ? r % H : 0;
-    return (sel.indptr[sel_row(b, h) + 1] - sel.indptr[sel_row(b, h)] + ps - 1) / ps;
+    return t.pages_for(r, sel.indptr[sel_row(b, h) + 1] - sel.indptr[sel_row(b, h)], ps);
   };
   const std::int64_t P = in.keys.extent[0];
   for (std::int64_t i = 0; i < P; ++i) state[i] = 0;
@@ -148,22 +150,22 @@ template <class T>
   // Every check passed: move, then report.
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < H; ++h) {
-      const std::int64_t r = sel_row(b, h);
+      const std::int64_t r = sel_row(b, h), st = t.start(t.row(b, h, H));  // slot s is table position st + s
       const std::int32_t* pages = t.indices + t.indptr[t.row(b, h, H)];
       for (std::int32_t i = 0, n = sel.indptr[r + 1] - sel.indptr[r]; i < n; ++i) {
         const std::int32_t from = sel.indices[sel.indptr[r] + i];
         if (from == i) continue;  // kept in place (a prefix): never written
-        detail::move_row(cache.keys, pages, h, from, i);
-        if (cache.values.data) detail::move_row(cache.values, pages, h, from, i);
+        detail::move_row(cache.keys, pages, h, st + from, st + i);
+        if (cache.values.data) detail::move_row(cache.values, pages, h, st + from, st + i);
       }
     }
   std::int64_t nf = 0;
   for (std::int64_t r = 0; r < R; ++r) {
     const std::int64_t b = t.per_head ? r / H : r, h = t.per_head ? r % H : 0;
     const std::int64_t kept = sel.indptr[sel_row(b, h) + 1] - sel.indptr[sel_row(b, h)];
-    const std::int64_t np = (kept + ps - 1) / ps, used = kvevict::detail::row_pages_used(in, r);
+    const std::int64_t np = t.pages_for(r, kept, ps), used = kvevict::detail::row_pages_used(in, r);
     out.pages_kept[r] = static_cast<std::int32_t>(np);
-    out.last_page_len[r] = static_cast<std::int32_t>(kept == 0 ? 0 : kept - (np - 1) * ps);
+    out.last_page_len[r] = static_cast<std::int32_t>(t.last_len_for(r, kept, ps));
     for (std::int64_t i = np; i < used; ++i) {
       const std::int32_t pg = t.indices[t.indptr[r] + i];
       if (state[pg] == 2) {

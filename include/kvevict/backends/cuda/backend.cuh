@@ -65,7 +65,7 @@ enum class device_check : std::int32_t {
   page_indptr = 9,         ///< pages row a0 holds a1 pages outside [0, max_pages_per_row = a2]; a0 = -1: indptr[0] = a1 != 0
   page_last_len = 10,      ///< pages.last_page_len[a0] = a1 outside [1, page_size = a2]
   page_lengths_table = 11, ///< lengths(b=a0, h=a1) = a2 != the page table's a3 tokens
-  page_lengths_range = 12, ///< lengths(b=a0, h=a1) = a2 outside [0, pages * page_size = a3] of its table row
+  page_lengths_range = 12, ///< lengths(b=a0, h=a1) = a2 outside [0, pages * page_size - start_offset = a3] of its table row
   page_prefix = 13,        ///< pages.protected_prefix[a0] = a1 outside [0, a2], the tokens of KV head a3
   page_id = 14,            ///< pages.indices[a0] = a1 (row a2, page a3) outside [0, num_pages)
   page_repeat = 15,        ///< pages.indices[a0] = a1 (row a2, page a3) repeats a page of the table
@@ -73,6 +73,8 @@ enum class device_check : std::int32_t {
   compact_unequal = 17,    ///< compact_paged: sequence a0 keeps a1 tokens in KV head 0 and a2 in KV head a3 (shared table)
   compact_freed = 18,      ///< compact_paged: a0 pages become free > freed_capacity = a1
   compact_indptr = 19,     ///< compact_paged: selection indptr[a0] = a1 (indptr[0] must be 0, then non-decreasing: indptr[a0 - 1] = a2)
+  page_start_offset = 20,  ///< pages.start_offset[a0] = a1 outside [0, page_size = a2)
+  page_start_empty = 21,   ///< pages.start_offset[a0] = a1 >= last_page_len = a2 of a row of one page
 };
 
 /// Build a host-side status from a device status word copied to the host.
@@ -111,11 +113,16 @@ inline status to_status(const device_status& s) {
       return status::error(e, "pages row %d holds %d pages, outside [0, max_pages_per_row = %d] (checked on the device)", s.a0, s.a1, s.a2);
     case device_check::page_last_len:
       return status::error(e, "pages.last_page_len[%d] = %d must be in [1, page_size = %d] (checked on the device)", s.a0, s.a1, s.a2);
+    case device_check::page_start_offset:
+      return status::error(e, "pages.start_offset[%d] = %d must be in [0, page_size = %d) (checked on the device)", s.a0, s.a1, s.a2);
+    case device_check::page_start_empty:
+      return status::error(e, "pages.start_offset[%d] = %d >= last_page_len = %d of a row of one page: the row holds no token (checked on the device)",
+                           s.a0, s.a1, s.a2);
     case device_check::page_lengths_table:
-      return status::error(e, "lengths(%d, %d) = %d != the page table's %d tokens ((pages - 1) * page_size + last_page_len; checked on the device)",
+      return status::error(e, "lengths(%d, %d) = %d != the page table's %d tokens ((pages - 1) * page_size + last_page_len - start_offset; checked on the device)",
                            s.a0, s.a1, s.a2, s.a3);
     case device_check::page_lengths_range:
-      return status::error(e, "lengths(%d, %d) = %d is outside [0, pages * page_size = %d] of its page table row (checked on the device)",
+      return status::error(e, "lengths(%d, %d) = %d is outside [0, pages * page_size - start_offset = %d] of its page table row (checked on the device)",
                            s.a0, s.a1, s.a2, s.a3);
     case device_check::page_prefix:
       return status::error(e, "pages.protected_prefix[%d] = %d is outside [0, %d], the tokens of sequence %d (KV head %d; checked on the device)",

@@ -46,9 +46,11 @@ KVEVICT_HOST_DEVICE inline void compact_paged_head(Ctx& cx, int tid, int nthread
   const std::int64_t D = pool.extent[3], total = cnt * D, step = static_cast<std::int64_t>(nthreads) * compact_per_thread;
   const std::int64_t ps = pool.extent[2];
   T* base = pool.data + h * pool.stride[1];
-  const std::int32_t* pages = t.indices + t.indptr[t.row(b, h, pool.extent[1])];
+  const std::int64_t row = t.row(b, h, pool.extent[1]), first = t.start(row);  // slot n: table position first + n
+  const std::int32_t* pages = t.indices + t.indptr[row];
   auto at = [&](std::int64_t n, std::int64_t c) -> T* {
-    return base + static_cast<std::int64_t>(pages[n / ps]) * pool.stride[0] + (n % ps) * pool.stride[2] + c * pool.stride[3];
+    const std::int64_t m = first + n;
+    return base + static_cast<std::int64_t>(pages[m / ps]) * pool.stride[0] + (m % ps) * pool.stride[2] + c * pool.stride[3];
   };
   for (std::int64_t e0 = 0; e0 < total; e0 += step) {  // uniform over the block
     T v[compact_per_thread];
@@ -91,10 +93,10 @@ struct compact_paged_args {
     const std::int64_t r = sel_row(b, h);
     return static_cast<std::int64_t>(sel.indptr[r + 1]) - sel.indptr[r];
   }
-  /// Pages table row r keeps (its first ones): ceil(kept / page_size) of its (first) head.
+  /// Pages table row r keeps (its first ones): ceil((start_offset + kept) / page_size) of its (first) head.
   KVEVICT_HOST_DEVICE std::int64_t row_kept_pages(std::int64_t r) const {
     const std::int64_t b = a.t.per_head ? r / a.H : r, h = a.t.per_head ? r % a.H : 0;
-    return (kept(b, h) + a.ps - 1) / a.ps;
+    return a.t.pages_for(r, kept(b, h), a.ps);
   }
 };
 
@@ -187,9 +189,9 @@ __global__ void compact_paged_result_kernel(compact_paged_args ca, const std::in
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     if (i < R) {
       const std::int64_t b = ca.a.t.per_head ? i / H : i, h = ca.a.t.per_head ? i % H : 0;
-      const std::int64_t kept = ca.kept(b, h), np = (kept + ps - 1) / ps;
-      out.pages_kept[i] = static_cast<std::int32_t>(np);
-      out.last_page_len[i] = static_cast<std::int32_t>(kept == 0 ? 0 : kept - (np - 1) * ps);
+      const std::int64_t kept = ca.kept(b, h);
+      out.pages_kept[i] = static_cast<std::int32_t>(ca.a.t.pages_for(i, kept, ps));
+      out.last_page_len[i] = static_cast<std::int32_t>(ca.a.t.last_len_for(i, kept, ps));
     }
     if (out.lengths && i < ca.B * H) out.lengths[i] = static_cast<std::int32_t>(ca.kept(i / H, i % H));
     if (i < P && flag[i]) out.freed_pages[pos[i] - 1] = static_cast<std::int32_t>(i);

@@ -25,8 +25,9 @@ namespace cuda {
 
 /// The tokens of one (sequence, KV head): row(n) points at element (n, 0) of token n, whose
 /// elements are s_dim apart. Contiguous caches: base = data + b s0 + h s1, row(n) = base + n s_tok.
-/// Paged caches: base = pool + h s1 (s1 = 0 for one-head pages), token n lies in page
-/// pages[n / page_size] at offset n % page_size: row(n) = base + pages[n / ps] s_page + (n % ps) s_tok.
+/// Paged caches: base = pool + h s1 (s1 = 0 for one-head pages), token n lies at table position
+/// m = first + n (first: the row's start_offset), in page pages[m / page_size] at offset
+/// m % page_size: row(n) = base + pages[m / ps] s_page + (m % ps) s_tok.
 /// The branch is uniform over a warp (one head per warp), so the contiguous path costs a
 /// predictable branch and nothing else. Host and device (the host tests run kernel code with it).
 template <class T>
@@ -35,10 +36,12 @@ struct kv_rows {
   std::int64_t s_tok = 0, s_dim = 0, s_page = 0;
   const std::int32_t* pages = nullptr;  ///< paged: this row's page ids (device memory), else null
   std::int64_t page_size = 1;
+  std::int64_t first = 0;  ///< paged: table position of token 0 (page_table_view::start_offset)
 
   KVEVICT_HOST_DEVICE const T* row(std::int64_t n) const {
     if (pages == nullptr) return base + n * s_tok;
-    return base + static_cast<std::int64_t>(pages[n / page_size]) * s_page + (n % page_size) * s_tok;
+    const std::int64_t m = n + first;
+    return base + static_cast<std::int64_t>(pages[m / page_size]) * s_page + (m % page_size) * s_tok;
   }
   KVEVICT_HOST_DEVICE const T& at(std::int64_t n, std::int64_t c) const { return row(n)[c * s_dim]; }
 };
@@ -60,7 +63,9 @@ KVEVICT_HOST_DEVICE inline kv_rows<T> head_rows(const kv_view<T>& v, const page_
   r.base = v.data + h * v.stride[1];
   r.s_page = v.stride[0];
   r.page_size = v.extent[2];
-  r.pages = pt.indices + pt.indptr[pt.row(b, h, v.extent[1])];
+  const std::int64_t row = pt.row(b, h, v.extent[1]);
+  r.pages = pt.indices + pt.indptr[row];
+  r.first = pt.start(row);
   return r;
 }
 
@@ -100,10 +105,10 @@ struct paged_table_args {
   KVEVICT_HOST_DEVICE std::int64_t used(std::int64_t r) const {
     std::int64_t u = 0;
     if (t.per_head) {
-      u = (length(r / H, r % H) + ps - 1) / ps;
+      u = t.pages_for(r, length(r / H, r % H), ps);
     } else {
       for (std::int64_t h = 0; h < H; ++h) {
-        const std::int64_t x = (length(r, h) + ps - 1) / ps;
+        const std::int64_t x = t.pages_for(r, length(r, h), ps);
         u = x > u ? x : u;
       }
     }
@@ -132,6 +137,14 @@ KVEVICT_HOST_DEVICE inline bool check_page_row(const paged_table_args& a, std::i
     rep(device_check::page_last_len, r, t.last_page_len[r], a.ps, 0);
     return false;
   }
+  if (t.start_offset && (t.start_offset[r] < 0 || t.start_offset[r] >= a.ps)) {
+    rep(device_check::page_start_offset, r, t.start_offset[r], a.ps, 0);
+    return false;
+  }
+  if (t.start_offset && t.last_page_len && n == 1 && t.last_page_len[r] <= t.start_offset[r]) {
+    rep(device_check::page_start_empty, r, t.start_offset[r], t.last_page_len[r], 0);
+    return false;
+  }
   const std::int64_t b = t.per_head ? r / a.H : r;
   const std::int64_t h0 = t.per_head ? r % a.H : 0, h1 = t.per_head ? h0 + 1 : a.H;
   for (std::int64_t h = h0; h < h1; ++h) {
@@ -141,8 +154,8 @@ KVEVICT_HOST_DEVICE inline bool check_page_row(const paged_table_args& a, std::i
         rep(device_check::page_lengths_table, b, h, L, t.table_length(r, a.ps));
         return false;
       }
-      if (L < 0 || L > n * a.ps) {
-        rep(device_check::page_lengths_range, b, h, L, n * a.ps);
+      if (L < 0 || L > n * a.ps - t.start(r)) {
+        rep(device_check::page_lengths_range, b, h, L, n * a.ps - t.start(r));
         return false;
       }
     }
@@ -177,7 +190,7 @@ __global__ void paged_count_pages_kernel(paged_table_args a, unsigned long long*
   const std::int64_t R = a.rows();
   for (std::int64_t r = blockIdx.x; r < R; r += gridDim.x) {
     const std::int64_t used = a.used(r), beg = a.t.indptr[r];
-    const std::int64_t h = a.t.per_head ? r % a.H : 0, shared = a.t.prefix(a.t.per_head ? r / a.H : r) / a.ps;
+    const std::int64_t h = a.t.per_head ? r % a.H : 0, shared = a.t.shared_pages(r, a.t.per_head ? r / a.H : r, a.ps);
     for (std::int64_t i = threadIdx.x; i < used; i += blockDim.x) {
       const std::int32_t pg = a.t.indices[beg + i];
       if (pg < 0 || pg >= a.P) {
