@@ -16,6 +16,7 @@
 #include "kvevict/backends/cuda/paged.cuh"
 #include "kvevict/backends/cuda/scorers.cuh"
 #include "kvevict/backends/cuda/select.cuh"
+#include "kvevict/backends/cuda/union_selections.cuh"
 // The built-in stages' implementation traits (one file each; impl.cuh describes the traits).
 #include "kvevict/backends/cuda/scorers/accumulated_attention.cuh"
 #include "kvevict/backends/cuda/scorers/attention_weight.cuh"

@@ -84,4 +84,8 @@ template kvevict::status cpu_compact_paged<float>(const kvevict::paged_cache<flo
 template kvevict::status cpu_compact_paged<kvevict::bfloat16_t>(const kvevict::paged_cache<kvevict::bfloat16_t>&,
                                                                 kvevict::const_selection_view, kvevict::paged_compaction_result);
 
+kvevict::status cpu_union_selections(const kvevict::const_selection_view* sels, int n, std::int64_t group, kvevict::selection_view out) {
+  return kvevict::cpu::union_selections(sels, n, group, out);
+}
+
 }  // namespace kvevict_test

@@ -34,6 +34,9 @@ template <class T>
 kvevict::status cpu_compact_paged(const kvevict::paged_cache<T>& cache, kvevict::const_selection_view sel,
                                   kvevict::paged_compaction_result out);
 
+/// kvevict::cpu::union_selections (host memory), for the device union's tests.
+kvevict::status cpu_union_selections(const kvevict::const_selection_view* sels, int n, std::int64_t group, kvevict::selection_view out);
+
 /// The policies the test instantiates (besides the presets; user_scorer_policy: float and bf16).
 using maxpool_policy = kvevict::eviction_policy<kvevict::scorers::attention_weight, kvevict::temporal::mean, kvevict::spatial::max_pool>;
 

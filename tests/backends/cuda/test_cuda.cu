@@ -1923,6 +1923,169 @@ std::vector<std::int32_t> random_selection(const case_meta& c, std::uint64_t see
 
 }  // namespace
 
+namespace {
+
+/// n random selections of `rows` rows (ascending subsets of [0, len) per row, some rows empty).
+struct random_selections {
+  std::vector<std::vector<std::int32_t>> ip, ix;
+  std::vector<kv::const_selection_view> views;
+  random_selections(int n, std::int64_t rows, int slots, std::uint64_t seed) : ip(n), ix(n) {
+    std::mt19937_64 g(seed);
+    for (int k = 0; k < n; ++k) {
+      ip[k].assign(1, 0);
+      ix[k].reserve(1);  // a non-null indices pointer when every row is empty
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const int len = static_cast<int>(g() % static_cast<std::uint64_t>(slots + 1));
+        const int keep = (r + k) % 5 == 0 ? 0 : static_cast<int>(g() % static_cast<std::uint64_t>(len + 1));
+        std::vector<std::int32_t> all(static_cast<std::size_t>(len));
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), g);
+        all.resize(static_cast<std::size_t>(keep));
+        std::sort(all.begin(), all.end());
+        ix[k].insert(ix[k].end(), all.begin(), all.end());
+        ip[k].push_back(static_cast<std::int32_t>(ix[k].size()));
+      }
+    }
+    for (int k = 0; k < n; ++k) views.emplace_back(ip[k].data(), ix[k].data(), rows);
+  }
+  std::size_t total() const {
+    std::size_t t = 0;
+    for (const auto& x : ix) t += x.size();
+    return t;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("host: union_selections' block code (union_mark_row, union_emit_word) equals cpu::union_selections; bad indices named") {
+  long compared = 0;
+  for (std::int64_t group : {1, 4, 12})
+    for (int slots : {1, 31, 32, 33, 300, 1000}) {
+      CAPTURE(group);
+      CAPTURE(slots);
+      const std::int64_t rows = 12, Q = rows / group, W = (slots + 31) / 32;
+      const random_selections rs(3, rows, slots, static_cast<std::uint64_t>(slots * 7 + group));
+      std::vector<std::int32_t> wptr(static_cast<std::size_t>(Q + 1)), widx(rs.total() + 1);
+      const kv::status cs = kvevict_test::cpu_union_selections(rs.views.data(), 3, group, kv::selection_view{wptr.data(), widx.data(), nullptr, static_cast<std::int64_t>(widx.size())});
+      REQUIRE_MESSAGE(cs.ok(), cs.message());
+      // the kernels' steps on the host: marks (4 "threads" per row), counts, exclusive scan, emit
+      std::vector<std::uint32_t> bits(static_cast<std::size_t>(Q * W), 0u);
+      int reports = 0;
+      for (int k = 0; k < 3; ++k)
+        for (std::int64_t r = 0; r < rows; ++r)
+          for (int t = 0; t < 4; ++t)
+            kv::cuda::detail::union_mark_row(
+                rs.views[static_cast<std::size_t>(k)], k, r, slots, bits.data() + (r / group) * W, t, 4,
+                [](std::uint32_t* w, std::uint32_t m) { *w |= m; }, [&](kv::cuda::device_check, std::int64_t, std::int64_t, std::int64_t, std::int64_t) { ++reports; });
+      CHECK(reports == 0);
+      std::vector<std::int32_t> gptr(1, 0), gidx(rs.total() + 1);
+      for (std::int64_t q = 0; q < Q; ++q) {
+        long long n = 0;
+        for (std::int64_t j = 0; j < W; ++j) n += kv::cuda::detail::popcount32(bits[static_cast<std::size_t>(q * W + j)]);
+        std::int64_t base = gptr.back();
+        for (std::int64_t j = 0; j < W; ++j) base += kv::cuda::detail::union_emit_word(bits[static_cast<std::size_t>(q * W + j)], j, gidx.data() + base);
+        CHECK(base - gptr.back() == n);
+        gptr.push_back(static_cast<std::int32_t>(base));
+      }
+      CHECK(gptr == wptr);
+      CHECK(std::equal(gidx.begin(), gidx.begin() + gptr.back(), widx.begin()));
+      compared += gptr.back();
+    }
+  MESSAGE("union on the host: ", compared, " kept slots compared with cpu::union_selections");
+  CHECK(compared > 5000);
+  // an index outside [0, slots) and a row not ascending are reported and skipped
+  std::vector<std::int32_t> ip = {0, 3, 6}, ix = {0, 5, 40, 3, 3, 7};
+  const kv::const_selection_view bad(ip.data(), ix.data(), 2);
+  std::vector<std::uint32_t> bits(2, 0u);
+  std::vector<std::vector<std::int64_t>> got;
+  for (std::int64_t r = 0; r < 2; ++r)
+    kv::cuda::detail::union_mark_row(bad, 1, r, 32, bits.data(), 0, 1, [](std::uint32_t* w, std::uint32_t m) { *w |= m; },
+                                     [&](kv::cuda::device_check c, std::int64_t a0, std::int64_t a1, std::int64_t a2, std::int64_t a3) {
+                                       got.push_back({static_cast<std::int64_t>(c), a0, a1, a2, a3});
+                                     });
+  REQUIRE(got.size() == 2);
+  CHECK(got[0] == std::vector<std::int64_t>{static_cast<std::int64_t>(kv::cuda::device_check::union_index), 1, 0, 40, 32});
+  CHECK(got[1] == std::vector<std::int64_t>{static_cast<std::int64_t>(kv::cuda::device_check::union_order), 1, 1, 4, 3});
+  CHECK(bits[0] == ((1u << 0) | (1u << 5) | (1u << 3) | (1u << 7)));
+  auto msg = [](kv::cuda::device_check c, int a0, int a1, int a2, int a3, kv::errc e = kv::errc::invalid_argument) {
+    kv::cuda::device_status s{};
+    s.code = static_cast<std::int32_t>(e), s.check = static_cast<std::int32_t>(c), s.a0 = a0, s.a1 = a1, s.a2 = a2, s.a3 = a3;
+    return std::string(kv::cuda::to_status(s).message());
+  };
+  CHECK(msg(kv::cuda::device_check::union_index, 1, 0, 40, 32).find("selection 1 row 0 holds index 40 outside [0, slots = 32)") != std::string::npos);
+  CHECK(msg(kv::cuda::device_check::union_order, 1, 1, 4, 3).find("selection 1 row 1 is not strictly ascending at 4 (index 3") != std::string::npos);
+  CHECK(msg(kv::cuda::device_check::union_indptr, 0, 2, 9, 4).find("selection 0 indptr decreases at row 2 (9 then 4") != std::string::npos);
+  CHECK(msg(kv::cuda::device_check::union_capacity, 90, 80, 0, 0, kv::errc::insufficient_capacity).find("keeps 90 tokens > out.capacity = 80") != std::string::npos);
+  // host-side errors: named, nothing enqueued
+  std::vector<unsigned char> ws(64);
+  std::int32_t optr[3], oidx[8];
+  const kv::selection_view out{optr, oidx, nullptr, 8};
+  auto host_err = [&](const kv::const_selection_view* s, int n, std::int64_t group, std::int64_t slots, kv::selection_view o, std::size_t bytes) {
+    return std::string(kv::cuda::union_selections(s, n, group, slots, o, ws.data(), bytes).message());
+  };
+  CHECK(host_err(&bad, 0, 1, 32, out, 64).find("n = 0 selections") != std::string::npos);
+  CHECK(host_err(&bad, 1, 0, 32, out, 64).find("group = 0 must be >= 1") != std::string::npos);
+  CHECK(host_err(&bad, 1, 1, 0, out, 64).find("slots = 0 must be in [1, 2^31)") != std::string::npos);
+  CHECK(host_err(&bad, 1, 3, 32, out, 64).find("rows = 2 is not a positive multiple of group = 3") != std::string::npos);
+  CHECK(host_err(&bad, 1, 1, 32, kv::selection_view{nullptr, oidx, nullptr, 8}, 64).find("out indptr/indices is null") != std::string::npos);
+  CHECK(host_err(&bad, 1, 1, 32, out, 64).find("workspace_bytes = 64 <") != std::string::npos);
+  const kv::const_selection_view two[2] = {bad, kv::const_selection_view(ip.data(), ix.data(), 1)};
+  CHECK(host_err(two, 2, 1, 32, out, 64).find("selection 1 has 1 rows != 2") != std::string::npos);
+  CHECK(kv::cuda::union_selections_workspace_size(2, 3, 32) == 0);
+}
+
+TEST_CASE("cuda: union_selections equals cpu::union_selections (heads, layers); bad indices and capacity leave out untouched") {
+  for (std::int64_t group : {1, 4, 12})
+    for (int slots : {1, 33, 1000, 5000}) {
+      CAPTURE(group);
+      CAPTURE(slots);
+      const std::int64_t rows = 12, Q = rows / group;
+      const int n = 5;  // five "layers"
+      const random_selections rs(n, rows, slots, static_cast<std::uint64_t>(slots * 3 + group));
+      std::vector<std::int32_t> wptr(static_cast<std::size_t>(Q + 1)), widx(rs.total() + 1);
+      REQUIRE(kvevict_test::cpu_union_selections(rs.views.data(), n, group, kv::selection_view{wptr.data(), widx.data(), nullptr, static_cast<std::int64_t>(widx.size())}).ok());
+      std::vector<std::unique_ptr<dbuf<std::int32_t>>> dptr, didx;
+      std::vector<kv::const_selection_view> dv;
+      for (int k = 0; k < n; ++k) {
+        dptr.emplace_back(new dbuf<std::int32_t>(rs.ip[static_cast<std::size_t>(k)]));
+        didx.emplace_back(new dbuf<std::int32_t>(rs.ix[static_cast<std::size_t>(k)].empty() ? std::vector<std::int32_t>{0} : rs.ix[static_cast<std::size_t>(k)]));
+        dv.emplace_back(dptr.back()->p, didx.back()->p, rows);
+      }
+      const std::vector<std::int32_t> sentinel(rs.total() + 1, -9);
+      dbuf<std::int32_t> optr(std::vector<std::int32_t>(static_cast<std::size_t>(Q + 1), -9)), oidx(sentinel);
+      dbuf<unsigned char> ws(kv::cuda::union_selections_workspace_size(rows, group, slots));
+      const kv::selection_view out{optr.p, oidx.p, nullptr, static_cast<std::int64_t>(sentinel.size())};
+      REQUIRE(kv::cuda::union_selections(dv.data(), n, group, slots, out, ws.p, ws.n).ok());
+      const kv::status dev = kv::cuda::read_device_status(kv::cuda::union_selections_status(ws.p));
+      REQUIRE_MESSAGE(dev.ok(), dev.message());
+      CHECK(optr.get(wptr.size()) == wptr);
+      const auto gi = oidx.get(sentinel.size());
+      CHECK(std::equal(gi.begin(), gi.begin() + wptr.back(), widx.begin()));
+      CHECK(std::all_of(gi.begin() + wptr.back(), gi.end(), [](std::int32_t x) { return x == -9; }));
+      // the union larger than out.capacity: an error, out untouched
+      if (wptr.back() > 0) {
+        dbuf<std::int32_t> p2(std::vector<std::int32_t>(static_cast<std::size_t>(Q + 1), -9)), i2(sentinel);
+        REQUIRE(kv::cuda::union_selections(dv.data(), n, group, slots, kv::selection_view{p2.p, i2.p, nullptr, wptr.back() - 1}, ws.p, ws.n).ok());
+        const kv::status cap = kv::cuda::read_device_status(kv::cuda::union_selections_status(ws.p));
+        CHECK(cap.code() == kv::errc::insufficient_capacity);
+        CHECK(p2.get(static_cast<std::size_t>(Q + 1)) == std::vector<std::int32_t>(static_cast<std::size_t>(Q + 1), -9));
+        CHECK(i2.get(sentinel.size()) == sentinel);
+      }
+    }
+  // an index outside [0, slots): named, out untouched
+  std::vector<std::int32_t> ip = {0, 2, 4}, ix = {0, 5, 40, 41};
+  dbuf<std::int32_t> dip(ip), dix(ix);
+  const kv::const_selection_view bad(dip.p, dix.p, 2);
+  dbuf<std::int32_t> optr(std::vector<std::int32_t>(3, -9)), oidx(std::vector<std::int32_t>(8, -9));
+  dbuf<unsigned char> ws(kv::cuda::union_selections_workspace_size(2, 1, 32));
+  REQUIRE(kv::cuda::union_selections(&bad, 1, 1, 32, kv::selection_view{optr.p, oidx.p, nullptr, 8}, ws.p, ws.n).ok());
+  const kv::status e = kv::cuda::read_device_status(kv::cuda::union_selections_status(ws.p));
+  INFO(e.message());
+  CHECK(std::string(e.message()).find("selection 0 row 1 holds index 40 outside [0, slots = 32)") != std::string::npos);
+  CHECK(optr.get(3) == std::vector<std::int32_t>(3, -9));
+  CHECK(oidx.get(8) == std::vector<std::int32_t>(8, -9));
+}
+
 TEST_CASE("host: compact_paged_head (the CUDA compaction's block code, host threads) equals a naive gather") {
   long moved = 0, bad = 0;
   auto run = [&](auto tag) {

@@ -75,6 +75,10 @@ enum class device_check : std::int32_t {
   compact_indptr = 19,     ///< compact_paged: selection indptr[a0] = a1 (indptr[0] must be 0, then non-decreasing: indptr[a0 - 1] = a2)
   page_start_offset = 20,  ///< pages.start_offset[a0] = a1 outside [0, page_size = a2)
   page_start_empty = 21,   ///< pages.start_offset[a0] = a1 >= last_page_len = a2 of a row of one page
+  union_indptr = 22,       ///< union_selections: selection a0's indptr decreases at row a1 (a2 then a3)
+  union_index = 23,        ///< union_selections: selection a0 row a1 holds index a2 outside [0, slots = a3)
+  union_order = 24,        ///< union_selections: selection a0 row a1 is not strictly ascending at position a2 (index a3)
+  union_capacity = 25,     ///< union_selections: the union keeps a0 tokens > out.capacity = a1 (a0 = -1: more than int32 holds)
 };
 
 /// Build a host-side status from a device status word copied to the host.
@@ -150,6 +154,18 @@ inline status to_status(const device_status& s) {
       return status::error(e, "compact_paged: selection indptr[%d] = %d < indptr[%d] = %d (checked on the device)", s.a0, s.a1, s.a0 - 1, s.a2);
     case device_check::compact_freed:
       return status::error(e, "compact_paged: %d pages become free > result freed_capacity = %d (checked on the device)", s.a0, s.a1);
+    case device_check::union_indptr:
+      return status::error(e, "union_selections: selection %d indptr decreases at row %d (%d then %d; checked on the device)", s.a0, s.a1,
+                           s.a2, s.a3);
+    case device_check::union_index:
+      return status::error(e, "union_selections: selection %d row %d holds index %d outside [0, slots = %d) (checked on the device)", s.a0,
+                           s.a1, s.a2, s.a3);
+    case device_check::union_order:
+      return status::error(e, "union_selections: selection %d row %d is not strictly ascending at %d (index %d; checked on the device)",
+                           s.a0, s.a1, s.a2, s.a3);
+    case device_check::union_capacity:
+      if (s.a0 < 0) return status::error(e, "union_selections: the union keeps more tokens than int32 indptr holds (checked on the device)");
+      return status::error(e, "union_selections: the union keeps %d tokens > out.capacity = %d (checked on the device)", s.a0, s.a1);
     default: break;
   }
   return status::error(e, "device status check %d (%d, %d, %d, %d)", s.check, s.a0, s.a1, s.a2, s.a3);
