@@ -770,11 +770,13 @@ int main(int argc, char** argv) {
     // t = d / se; "beyond noise" when |t| > the two-sided 95% Student t of n - 1 degrees of freedom.
     if (prompts.size() >= 2) {
         const double tc = t_critical_95(int(prompts.size()) - 1);
-        auto paired = [&](int a, int b, size_t f, double& d, double& se) {
+        // d +- se of KL(row a at fraction fa) - KL(row b at fraction fb) over the excerpts; true when beyond noise
+        auto paired = [&](int a, size_t fa, int b, size_t fb, double& d, double& se) {
             std::vector<double> diff;
-            for (size_t p = 0; p < prompts.size(); ++p) diff.push_back(res[size_t(a)][f][p].kl - res[size_t(b)][f][p].kl);
+            for (size_t p = 0; p < prompts.size(); ++p) diff.push_back(res[size_t(a)][fa][p].kl - res[size_t(b)][fb][p].kl);
             d = mean(diff);
             se = std_error(diff);
+            return se > 0 ? std::fabs(d) / se > tc : d != 0;
         };
         auto complete = [&](int i, size_t f) { return i >= 0 && res[size_t(i)][f].size() == prompts.size(); };
         auto is_reference = [&](const std::string& n) { return n.rfind("Oracle", 0) == 0 || n == "Random"; };
@@ -796,8 +798,7 @@ int main(int argc, char** argv) {
             for (size_t i = 0; i < methods.size(); ++i) {
                 if (int(i) == best || is_reference(methods[i].name) || !complete(int(i), f)) continue;
                 double d, se;
-                paired(int(i), best, f, d, se);
-                const bool beyond = se > 0 ? std::fabs(d) / se > tc : d != 0;
+                const bool beyond = paired(int(i), f, best, f, d, se);
                 if (!beyond) ++tied;
                 std::printf(" %s %+.5f+-%.5f%s", methods[i].name.c_str(), d, se, beyond ? "*" : "");
             }
@@ -814,8 +815,7 @@ int main(int argc, char** argv) {
             for (size_t f = 0; f < opt.budgets.size(); ++f) {
                 if (!complete(a, f) || !complete(b, f)) continue;
                 double d, se;
-                paired(a, b, f, d, se);
-                const bool beyond = se > 0 ? std::fabs(d) / se > tc : d != 0;
+                const bool beyond = paired(a, f, b, f, d, se);
                 std::printf("  %s %+.5f+-%.5f%s", opt.budgets[f].label().c_str(), d, se, beyond ? "*" : "");
             }
             std::printf("\n");
@@ -832,10 +832,8 @@ int main(int argc, char** argv) {
                     const budget_spec &x = opt.budgets[f], &y = opt.budgets[g];
                     const bool equal = x.tokens > 0 ? y.tokens == G * x.tokens : y.tokens == 0 && std::fabs(y.fraction - G * x.fraction) < 1e-9;
                     if (!equal || !complete(a, f) || !complete(b, g)) continue;
-                    std::vector<double> diff;
-                    for (size_t p = 0; p < prompts.size(); ++p) diff.push_back(res[size_t(a)][f][p].kl - res[size_t(b)][g][p].kl);
-                    const double d = mean(diff), se = std_error(diff);
-                    const bool beyond = se > 0 ? std::fabs(d) / se > tc : d != 0;
+                    double d, se;
+                    const bool beyond = paired(a, f, b, g, d, se);
                     if (!any) std::printf("%s - %s at equal KV bytes (%s at keep f, %s at %d f):", cl.first, cl.second, cl.first, cl.second, G);
                     any = true;
                     std::printf("  %s vs %s %+.5f+-%.5f%s", x.label().c_str(), y.label().c_str(), d, se, beyond ? "*" : "");

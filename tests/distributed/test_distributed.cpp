@@ -25,6 +25,7 @@
 
 #include "common/random.hpp"
 #include "engine/engine_fixture.hpp"
+#include "reference/paged.hpp"
 
 namespace {
 
@@ -160,10 +161,12 @@ struct csr {
 
 /// Runs the single-process evictor on `whole` and run_sharded on this rank's heads; checks every
 /// local row against its global row. Returns the sharded run's status (after the checks).
+/// page_size > 0: the rank's heads are read through a page pool (one-head pages, per-(sequence,
+/// KV head) tables, shuffled ids, rows starting inside their first page) instead of a dense copy.
 template <class Policy>
 status check_equal(const char* what, const dense_layer& whole, const typename Policy::params& global_params,
                    const typename Policy::params& local_params, const std::vector<std::int32_t>& heads, const budget_request& req,
-                   dist::communicator* comm, dist::exchange_stats* stats = nullptr) {
+                   dist::communicator* comm, dist::exchange_stats* stats = nullptr, std::int64_t page_size = 0) {
   kvevict::evictor<Policy, kvevict::cpu::backend> ev1(global_params, kvevict::cpu::backend{1});
   const kvevict::layer_inputs<float> in1 = whole.inputs();
   const std::int64_t H1 = ev1.out_heads(in1), G = H1 / whole.H, S = whole.S;
@@ -174,7 +177,13 @@ status check_equal(const char* what, const dense_layer& whole, const typename Po
   const status s1 = ev1.run(in1, req, ref.view(), ref.scores.data());
 
   const dense_layer part = whole.slice(heads);
-  const kvevict::layer_inputs<float> in = part.inputs();
+  kvevict::layer_inputs<float> in = part.inputs();
+  kvtest::paged_copy<float> pg;
+  if (page_size > 0) {
+    kvtest::make_paged(in, page_size, kvtest::pool_layout::nhd, true, true, 11 + static_cast<std::uint64_t>(g_rank), pg, true, 3, false, true);
+    in = pg.in;
+  }
+  const std::int64_t Sl = in.capacity();  // the paged view's capacity may exceed S
   kvevict::evictor<Policy, kvevict::cpu::backend> ev(local_params, kvevict::cpu::backend{1});
   kvevict::plan_options opt;
   opt.sharded = true;
@@ -184,7 +193,7 @@ status check_equal(const char* what, const dense_layer& whole, const typename Po
   csr got;
   got.indptr.assign(static_cast<std::size_t>(whole.B * H + 1), 0);
   got.indices.assign(static_cast<std::size_t>(std::max<std::int64_t>(1, st.ok() ? pl.max_selected : 1)), -1);
-  got.scores.assign(static_cast<std::size_t>(whole.B * H * S), 0.0f);
+  got.scores.assign(static_cast<std::size_t>(whole.B * H * Sl), 0.0f);
   std::vector<unsigned char> ws(st.ok() ? pl.workspace_bytes : 0);
   dist::shard sh;
   sh.global_kv_heads = static_cast<std::int32_t>(whole.H);
@@ -203,7 +212,8 @@ status check_equal(const char* what, const dense_layer& whole, const typename Po
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t gr = b * H1 + heads[static_cast<std::size_t>(h / G)] * G + h % G, lr = b * H + h;
       if (got.row(lr) != ref.row(gr)) ++mismatched;
-      if (std::memcmp(got.scores.data() + lr * S, ref.scores.data() + gr * S, static_cast<std::size_t>(S) * sizeof(float)) != 0)
+      const std::int64_t n = page_size > 0 ? part.len[static_cast<std::size_t>(b * part.H + h / G)] : S;  // paged: the valid slots
+      if (std::memcmp(got.scores.data() + lr * Sl, ref.scores.data() + gr * S, static_cast<std::size_t>(n) * sizeof(float)) != 0)
         ++scores_differ;
     }
   CHECK(mismatched == 0);
@@ -311,6 +321,33 @@ TEST_CASE("sharded == single process: AdaKV, CriticalAdaKV, PyramidKV, LKV on ra
         pn.check_finite = false;
         (void)check_equal<kvevict::presets::adakv>("adakv NaN scores", nan_layer, pn, pn, heads, req, &comm);
       }
+    }
+}
+
+TEST_CASE("sharded over paged caches (per-head tables, start offsets) == single process: AdaKV, PyramidKV, LKV") {
+  dist::mpi_communicator comm(MPI_COMM_WORLD);
+  const std::int64_t B = 2, H = 6, G = 2, S = 96, d = 16, W = 8;
+  const int hid = 8;
+  kvtest::rng r(6);
+  std::vector<float> mlp, logits;
+  const std::int64_t block = kvevict::scorers::learned_mlp::block_floats(d, hid);
+  for (std::int64_t i = 0; i < 3 * H * block; ++i) mlp.push_back(static_cast<float>(0.5 * r.normal()));
+  for (std::int64_t i = 0; i < 3 * H; ++i) logits.push_back(static_cast<float>(r.normal()));
+  const dense_layer L = random_layer(103, B, H, G, S, d, W, true, true);
+  for (int layout = 0; layout < 3; ++layout)
+    for (std::int64_t ps : {1, 16}) {
+      CAPTURE(layout);
+      CAPTURE(ps);
+      const std::vector<std::int32_t> heads = shard_heads(layout, g_rank, g_size, H);
+      const budget_request req = budget_request::fraction(0.2);
+      dist::exchange_stats st;
+      (void)check_equal<kvevict::presets::adakv>("adakv paged", L, {}, {}, heads, req, &comm, &st, ps);
+      CHECK(st.rounds == 8);
+      (void)check_equal<kvevict::presets::pyramidkv>("pyramidkv paged", L, {}, {}, heads, req, &comm, nullptr, ps);
+      kvevict::lkv::full::params lg = kvevict::lkv::full::defaults();
+      set_lkv(lg, mlp, logits, 3, H, d, hid, S);
+      std::vector<float> storage;
+      (void)check_equal<kvevict::lkv::full>("lkv paged", L, lg, lkv_local(lg, heads, &storage), heads, req, &comm, nullptr, ps);
     }
 }
 

@@ -53,17 +53,16 @@ struct paged_copy {
 ///  - per_head = true: one table per (sequence, KV head) with last_page_len; one_head_pages: pages
 ///    hold one head (the pool's head stride is 0), else pages span every head.
 /// Unused pool slots are NaN; page ids are shuffled with `seed` (or descending with `reversed`),
-/// with `spare` unused pages. with_start: every row r starts at offset (5 r + 3) % page_size of
-/// its first page (pages.start_offset; a left-padded first page), the slots before it NaN.
+/// with `spare` unused pages. with_start = 1: every row r starts at offset (5 r + 3) % page_size
+/// of its first page (pages.start_offset; a left-padded first page), the slots before it NaN;
+/// 2: the same offsets, lowered where a row would need one page more than without them.
 template <class T>
 void make_paged(const kvevict::layer_inputs<T>& src, std::int64_t page_size, pool_layout l, bool per_head, bool one_head_pages,
                 std::uint64_t seed, paged_copy<T>& out, bool with_last_page_len = true, std::int64_t spare = 3,
-                bool reversed = false, bool with_start = false) {
+                bool reversed = false, int with_start = 0) {
   const std::int64_t B = src.batch(), H = src.kv_heads(), d = src.head_dim(), ps = page_size;
   const std::int64_t R = per_head ? B * H : B;
   out.starts.assign(static_cast<std::size_t>(R), 0);
-  if (with_start)
-    for (std::int64_t r = 0; r < R; ++r) out.starts[static_cast<std::size_t>(r)] = static_cast<std::int32_t>((5 * r + 3) % ps);
   auto start = [&](std::int64_t r) -> std::int64_t { return out.starts[static_cast<std::size_t>(r)]; };
   std::vector<std::int64_t> row_len(static_cast<std::size_t>(R));
   for (std::int64_t r = 0; r < R; ++r) {
@@ -75,6 +74,13 @@ void make_paged(const kvevict::layer_inputs<T>& src, std::int64_t page_size, poo
       row_len[static_cast<std::size_t>(r)] = m;
     }
   }
+  if (with_start)
+    for (std::int64_t r = 0; r < R; ++r) {
+      std::int64_t s = (5 * r + 3) % ps;
+      const std::int64_t L = row_len[static_cast<std::size_t>(r)];
+      if (with_start == 2 && L > 0) s = std::min(s, (L + ps - 1) / ps * ps - L);  // no extra page
+      out.starts[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(s);
+    }
   out.indptr.assign(1, 0);
   std::int64_t total = 0, maxp = 0;
   for (std::int64_t r = 0; r < R; ++r) {

@@ -247,11 +247,11 @@ inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, s
           return status::error(errc::invalid_argument, "lengths(%lld, %lld) = %lld != the page table's %lld tokens of row %lld ((pages - 1) * page_size + last_page_len - start_offset)",
                                static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(L),
                                static_cast<long long>(t.table_length(r, ps)), static_cast<long long>(r));
-        if (L < 0 || L > t.pages(r) * ps - t.start(r))
+        if (L < 0 || L > t.row_capacity(r, ps))
           return status::error(errc::invalid_argument,
                                "lengths(%lld, %lld) = %lld is outside [0, pages * page_size - start_offset = %lld] of page table row %lld",
                                static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(L),
-                               static_cast<long long>(t.pages(r) * ps - t.start(r)), static_cast<long long>(r));
+                               static_cast<long long>(t.row_capacity(r, ps)), static_cast<long long>(r));
       }
     }
   // Page ids of the pages that hold tokens; repeats through a bitmap of (page[, head]) slots.

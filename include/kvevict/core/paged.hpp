@@ -47,7 +47,8 @@ namespace kvevict {
 ///
 ///   protected_prefix (batch), optional: sequence b's first protected_prefix[b] tokens are a
 ///                 prefix shared with other sequences (prefix caching): the pages that hold only
-///                 prefix tokens (the first protected_prefix[b] / page_size of each of its rows) may
+///                 prefix tokens (the first (start_offset + protected_prefix[b]) / page_size of each of its
+///                 rows; rows that share them must have the same start_offset) may
 ///                 appear in several rows, never as a non-prefix page of any row; compaction
 ///                 (cpu::compact_paged) never moves, drops or frees them, and refuses a selection
 ///                 that drops a prefix token. At most every head's length. The evictor keeps them
@@ -83,6 +84,10 @@ struct page_table_view {
   KVEVICT_HOST_DEVICE std::int64_t table_length(std::int64_t r, std::int64_t page_size) const {
     const std::int64_t n = pages(r);
     return n > 0 ? (n - 1) * page_size + last_page_len[r] - start(r) : 0;
+  }
+  /// Tokens row r's pages can hold after its start offset (0 for a row without pages).
+  KVEVICT_HOST_DEVICE std::int64_t row_capacity(std::int64_t r, std::int64_t page_size) const {
+    return pages(r) > 0 ? pages(r) * page_size - start(r) : 0;
   }
   /// Pages row r needs for its first n tokens: ceil((start + n) / page_size), 0 for n <= 0.
   KVEVICT_HOST_DEVICE std::int64_t pages_for(std::int64_t r, std::int64_t n, std::int64_t page_size) const {

@@ -289,6 +289,20 @@ TEST_CASE("paged: rows that start inside their first page (pages.start_offset) e
   }
   check_every_preset<float>({16, kvtest::pool_layout::nhd, false, false, true, seed++, true}, kvtest::layout::hnd, per_seq, 2,
                             kv::gqa_reduction::layer_mean);
+  {  // a NaN is named by its logical slot and the page that holds it (slot 14 of a row starting at 3: its second page)
+    kvtest::shape sh;
+    sh.batch = 1, sh.kv_heads = 2, sh.group = 2, sh.cap = 40, sh.d = 8, sh.window = 4, sh.hidden = 16;
+    const kvtest::problem p = kvtest::make_problem(sh, 77, 1.0, 1.0, 1.0, {40, 40});
+    kvtest::stored<float> st;
+    kvtest::store(p, kvtest::layout::hnd, st);
+    kvtest::paged_copy<float> pg;
+    kvtest::make_paged(st.in, 16, kvtest::pool_layout::nhd, false, false, 5, pg, true, 3, false, 1);
+    REQUIRE(pg.starts[0] == 3);
+    const std::int32_t page = pg.indices[1];
+    pg.kpool[static_cast<std::size_t>(((page * 16 + (3 + 14) % 16) * 2 + 1) * 8 + 2)] = std::nanf("");
+    check_paged_error<kv::presets::snapkv>(pg.in, kv::errc::non_finite_input,
+                                           "keys(b=0, h=1, s=14, d=2) = nan (page " + std::to_string(page) + ")");
+  }
 }
 
 TEST_CASE("paged: a left-padded contiguous batch (HF-style) read in place as one page per sequence with start_offset") {
@@ -356,6 +370,20 @@ TEST_CASE("paged: a left-padded contiguous batch (HF-style) read in place as one
   expect({0, 50, 19}, last, "pages.start_offset[1] = 50 must be in [0, page_size = 50)");
   expect({0, -1, 19}, last, "pages.start_offset[1] = -1 must be in [0, page_size = 50)");
   expect({0, 7, 19}, {50, 7, 50}, "pages.start_offset[1] = 7 >= last_page_len = 7 of a row of one page");
+  {  // a row without pages keeps its offset (a compaction that kept nothing): length 0 is valid
+    const std::vector<std::int32_t> ip2 = {0, 1, 2, 2}, lens0 = {50, 50, 43, 43, 0, 0};
+    kv::layer_inputs<float> e = in, c0 = st.in;
+    e.pages.indptr = ip2.data();
+    e.pages.last_page_len = nullptr;
+    e.lengths = kv::per_head_lengths(lens0.data(), B, H);
+    c0.lengths = kv::per_head_lengths(lens0.data(), B, H);
+    const auto a = kvtest::run_lib(ev, c0, kv::budget_request::fraction(0.3));
+    const auto r = kvtest::run_lib(ev, e, kv::budget_request::fraction(0.3));
+    INFO(std::string(a.st.message()) << " | " << std::string(r.st.message()));
+    CHECK(a.st.code() == r.st.code());
+    CHECK(a.indptr == r.indptr);
+    CHECK(a.indices == r.indices);
+  }
   // lengths given instead of last_page_len must fit after the offset
   {
     kv::layer_inputs<float> bad = in;

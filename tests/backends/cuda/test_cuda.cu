@@ -1698,9 +1698,11 @@ void for_paged_copies(const host_case<T>& c, F&& f) {
       for (int kind = 0; kind < 3; ++kind) {  // 0 per-sequence table, 1 per-head over all-head pages, 2 per-head one-head pages
         kvtest::paged_copy<T> pc;
         ++seed;
-        const bool start = ps > 1 && seed % 3 == 1;  // rows that begin inside their first page (pages.start_offset)
+        // rows that begin inside their first page (pages.start_offset): free offsets, or offsets that
+        // add no page (so that compare_paged keeps the contiguous capacity)
+        const bool start = ps > 1 && seed % 3 == 1;
         kvtest::make_paged(hin, ps, lay, kind > 0, kind == 2, seed, pc, /*with_last_page_len=*/seed % 2 == 0, 3, /*reversed=*/seed % 5 == 0,
-                           start);
+                           start ? (seed % 2 == 0 ? 2 : 1) : 0);
         const std::string label = std::string(kvtest::to_string(lay)) + " ps " + std::to_string(ps) +
                                   (kind == 0 ? " per-seq" : kind == 1 ? " per-head" : " per-head one-head pages") + (start ? " start_offset" : "");
         f(pc, hin, label);
@@ -1804,6 +1806,32 @@ TEST_CASE("host: the device page-table checks (check_page_row) accept valid tabl
       so[1] = -2;
       CHECK(has(first_error(bad), "pages.start_offset[1] = -2 must be in [0, page_size = 16)"));
       bad.in.pages.start_offset = nullptr;
+      {  // a one-page row whose offset leaves no token; a row without pages keeps its offset with length 0
+        std::vector<std::int32_t> ip1 = {0, 1, 1}, ix1 = {0}, lp1 = {5, 0}, so1 = {5, 3}, ln1 = {3, 0};
+        kv::cuda::detail::paged_table_args a;
+        a.t = kv::make_page_table(ip1.data(), ix1.data(), lp1.data(), 2, 1);
+        a.t.start_offset = so1.data();
+        a.P = 1, a.H = 1, a.ps = 16;
+        auto first = [&]() {
+          kv::cuda::device_status e{};
+          for (std::int64_t r = 0; r < a.rows() && e.code == 0; ++r)
+            kv::cuda::detail::check_page_row(a, r, [&](kv::cuda::device_check k, std::int64_t a0, std::int64_t a1, std::int64_t a2, std::int64_t a3) {
+              e.code = static_cast<std::int32_t>(kv::errc::invalid_argument);
+              e.check = static_cast<std::int32_t>(k);
+              e.a0 = static_cast<std::int32_t>(a0), e.a1 = static_cast<std::int32_t>(a1), e.a2 = static_cast<std::int32_t>(a2),
+              e.a3 = static_cast<std::int32_t>(a3);
+            });
+          return kv::cuda::to_status(e);
+        };
+        CHECK(has(first(), "pages.start_offset[0] = 5 >= last_page_len = 5 of a row of one page"));
+        so1[0] = 2;
+        CHECK(first().ok());  // row 0: 3 tokens; row 1: no pages, offset 3, length 0
+        a.t.last_page_len = nullptr;
+        a.lens = kv::per_head_lengths(ln1.data(), 2, 1);
+        CHECK(first().ok());
+        ln1[0] = 15;
+        CHECK(has(first(), "lengths(0, 0) = 15 is outside [0, pages * page_size - start_offset = 14]"));
+      }
       {
         kv::cuda::device_status e{};
         e.code = static_cast<std::int32_t>(kv::errc::invalid_argument);
@@ -2073,7 +2101,7 @@ TEST_CASE("cuda: union_selections equals cpu::union_selections (heads, layers); 
       }
     }
   // an index outside [0, slots): named, out untouched
-  std::vector<std::int32_t> ip = {0, 2, 4}, ix = {0, 5, 40, 41};
+  std::vector<std::int32_t> ip = {0, 2, 4}, ix = {0, 5, 3, 40};  // one bad index: row 1's 40
   dbuf<std::int32_t> dip(ip), dix(ix);
   const kv::const_selection_view bad(dip.p, dix.p, 2);
   dbuf<std::int32_t> optr(std::vector<std::int32_t>(3, -9)), oidx(std::vector<std::int32_t>(8, -9));
@@ -2084,6 +2112,18 @@ TEST_CASE("cuda: union_selections equals cpu::union_selections (heads, layers); 
   CHECK(std::string(e.message()).find("selection 0 row 1 holds index 40 outside [0, slots = 32)") != std::string::npos);
   CHECK(optr.get(3) == std::vector<std::int32_t>(3, -9));
   CHECK(oidx.get(8) == std::vector<std::int32_t>(8, -9));
+  // a decreasing indptr, and a negative indptr[0]: named, never followed, out untouched
+  for (const std::vector<std::int32_t>& bp : {std::vector<std::int32_t>{0, 3, 2}, std::vector<std::int32_t>{-5, 1, 2}}) {
+    dbuf<std::int32_t> dbp(bp);
+    const kv::const_selection_view bs(dbp.p, dix.p, 2);
+    REQUIRE(kv::cuda::union_selections(&bs, 1, 1, 32, kv::selection_view{optr.p, oidx.p, nullptr, 8}, ws.p, ws.n).ok());
+    const kv::status ei = kv::cuda::read_device_status(kv::cuda::union_selections_status(ws.p));
+    INFO(ei.message());
+    CHECK(std::string(ei.message()).find(bp[0] < 0 ? "selection 0 indptr[0] = -5 must be >= 0" : "selection 0 indptr decreases at row 1 (3 then 2") !=
+          std::string::npos);
+    CHECK(optr.get(3) == std::vector<std::int32_t>(3, -9));
+    CHECK(oidx.get(8) == std::vector<std::int32_t>(8, -9));
+  }
 }
 
 TEST_CASE("host: compact_paged_head (the CUDA compaction's block code, host threads) equals a naive gather") {
@@ -2139,7 +2179,7 @@ struct device_paged {
 };
 
 struct paged_stats {
-  long runs = 0, bad = 0, kept = 0;
+  long runs = 0, bad = 0, kept = 0, start_runs = 0;  ///< start_runs: copies with pages.start_offset compared
 };
 
 /// One policy on the contiguous view and on paged copies of the same case (page sizes 1, 16, 64;
@@ -2162,6 +2202,7 @@ void compare_paged(const char* name, const host_case<T>& c, const typename P::pa
     std::int64_t need = 0;  // a row that starts inside its first page may need one page more than S / page_size
     for (std::size_t r = 0; r + 1 < pc.indptr.size(); ++r) need = std::max<std::int64_t>(need, pc.indptr[r + 1] - pc.indptr[r]);
     if (need > pc.in.pages.max_pages_per_row) return;  // another capacity would split the keys differently: not comparable bit for bit
+    if (pc.in.pages.start_offset) ++ps.start_runs;
     device_paged<T> dp(pc, c);
     const bool host_lengths = (ps.runs % 2) == 0;
     const auto got = gpu_run_inputs<P>(dp.in, host_lengths ? hl.data() : nullptr, p, budget);
@@ -2227,9 +2268,11 @@ TEST_CASE("cuda: paged views give the contiguous view's selections and scores, e
   run_paged_grid<float>(ps);
   run_paged_grid<kv::half_t>(ps);
   run_paged_grid<kv::bfloat16_t>(ps);
-  MESSAGE("paged vs contiguous on the device: ", ps.runs, " runs, ", ps.kept, " kept tokens compared, ", ps.bad, " differing");
+  MESSAGE("paged vs contiguous on the device: ", ps.runs, " runs (", ps.start_runs, " with start offsets), ", ps.kept,
+          " kept tokens compared, ", ps.bad, " differing");
   CHECK(ps.bad == 0);
   CHECK(ps.runs > 300);
+  CHECK(ps.start_runs > 20);
 }
 
 TEST_CASE("cuda: a protected prefix (pages.protected_prefix) is kept as sinks, as the contiguous view with num_sink = prefix") {

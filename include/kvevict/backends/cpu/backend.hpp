@@ -118,8 +118,9 @@ inline float max_abs(const cmap_rm& m) {
 /// safe range, see scale_pow2), the same values a whole staged copy would hold.
 ///
 /// Rows are either strided from `base` (a contiguous cache: row r at base + r * row_stride), or
-/// paged (pages != null): row r lies in page pages[r / page_size] at offset r % page_size, at
-/// base + pages[r / page_size] * page_stride + (r % page_size) * row_stride. The contiguous
+/// paged (pages != null): row r is table position m = page_offset + r (page_table_view::
+/// start_offset, plus from_row's shift), in page pages[m / page_size] at offset m % page_size,
+/// at base + pages[m / page_size] * page_stride + (m % page_size) * row_stride. The contiguous
 /// cache is the paged one with a single page, and reads exactly as before.
 template <class T>
 struct row_source {

@@ -209,6 +209,8 @@ template <class T>
     if (s.rows != rows)
       return status::error(errc::shape_mismatch, "union_selections: selection %d has %lld rows != %lld", k,
                            static_cast<long long>(s.rows), static_cast<long long>(rows));
+    if (s.indptr[0] < 0)
+      return status::error(errc::invalid_argument, "union_selections: selection %d indptr[0] = %d must be >= 0", k, s.indptr[0]);
     for (std::int64_t r = 0; r < rows; ++r) {
       if (s.indptr[r + 1] < s.indptr[r])
         return status::error(errc::invalid_argument, "union_selections: selection %d indptr decreases at row %lld", k, static_cast<long long>(r));

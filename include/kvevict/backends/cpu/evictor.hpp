@@ -94,7 +94,7 @@ inline status scan_finite_paged(const layer_inputs<T>& in, const kv_view<const T
             return status::error(errc::non_finite_input, "%s(b=%lld, h=%lld, s=%lld, d=%lld) = %g (page %d) is not finite", name,
                                  static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(s),
                                  static_cast<long long>(c), static_cast<double>(to_float(row[c * rs.col_stride])),
-                                 rs.pages[s / rs.page_size]);
+                                 rs.pages[(s + rs.page_offset) / rs.page_size]);
       }
     }
   return {};

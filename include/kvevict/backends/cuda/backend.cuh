@@ -75,7 +75,7 @@ enum class device_check : std::int32_t {
   compact_indptr = 19,     ///< compact_paged: selection indptr[a0] = a1 (indptr[0] must be 0, then non-decreasing: indptr[a0 - 1] = a2)
   page_start_offset = 20,  ///< pages.start_offset[a0] = a1 outside [0, page_size = a2)
   page_start_empty = 21,   ///< pages.start_offset[a0] = a1 >= last_page_len = a2 of a row of one page
-  union_indptr = 22,       ///< union_selections: selection a0's indptr decreases at row a1 (a2 then a3)
+  union_indptr = 22,       ///< union_selections: selection a0's indptr decreases at row a1 (a2 then a3); a1 = -1: indptr[0] = a2 < 0
   union_index = 23,        ///< union_selections: selection a0 row a1 holds index a2 outside [0, slots = a3)
   union_order = 24,        ///< union_selections: selection a0 row a1 is not strictly ascending at position a2 (index a3)
   union_capacity = 25,     ///< union_selections: the union keeps a0 tokens > out.capacity = a1 (a0 = -1: more than int32 holds)
@@ -155,6 +155,7 @@ inline status to_status(const device_status& s) {
     case device_check::compact_freed:
       return status::error(e, "compact_paged: %d pages become free > result freed_capacity = %d (checked on the device)", s.a0, s.a1);
     case device_check::union_indptr:
+      if (s.a1 < 0) return status::error(e, "union_selections: selection %d indptr[0] = %d must be >= 0 (checked on the device)", s.a0, s.a2);
       return status::error(e, "union_selections: selection %d indptr decreases at row %d (%d then %d; checked on the device)", s.a0, s.a1,
                            s.a2, s.a3);
     case device_check::union_index:

@@ -154,8 +154,8 @@ KVEVICT_HOST_DEVICE inline bool check_page_row(const paged_table_args& a, std::i
         rep(device_check::page_lengths_table, b, h, L, t.table_length(r, a.ps));
         return false;
       }
-      if (L < 0 || L > n * a.ps - t.start(r)) {
-        rep(device_check::page_lengths_range, b, h, L, n * a.ps - t.start(r));
+      if (L < 0 || L > t.row_capacity(r, a.ps)) {
+        rep(device_check::page_lengths_range, b, h, L, t.row_capacity(r, a.ps));
         return false;
       }
     }

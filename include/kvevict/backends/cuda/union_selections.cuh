@@ -79,12 +79,15 @@ KVEVICT_HOST_DEVICE inline void union_mark_row(const const_selection_view& s, in
   }
 }
 
-/// indptr of selection k: non-decreasing (thread per row).
+/// indptr of selection k: indptr[0] >= 0, non-decreasing (thread per row).
 template <int Unused = 0>
 __global__ void union_indptr_kernel(const_selection_view s, int k, device_status* st) {
   for (std::int64_t r = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; r < s.rows;
        r += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+  {
+    if (r == 0 && s.indptr[0] < 0) report(st, errc::invalid_argument, device_check::union_indptr, k, -1, s.indptr[0], 0);
     if (s.indptr[r + 1] < s.indptr[r]) report(st, errc::invalid_argument, device_check::union_indptr, k, r, s.indptr[r], s.indptr[r + 1]);
+  }
 }
 
 /// Selection k into the bitmaps, block per input row (grid-stride); nothing once an indptr failed.
@@ -119,7 +122,7 @@ template <int Unused = 0>
 __global__ void union_capacity_kernel(const long long* pos, std::int64_t rows, std::int64_t capacity, device_status* st) {
   if (threadIdx.x != 0 || st->code != 0) return;
   const long long total = pos[rows];
-  if (total > 0x7fffffffLL) report(st, errc::invalid_argument, device_check::union_capacity, -1, total > 0x7fffffffLL ? 0x7fffffff : total, 0, 0);
+  if (total > 0x7fffffffLL) report(st, errc::invalid_argument, device_check::union_capacity, -1, 0, 0, 0);
   else if (total > capacity) report(st, errc::insufficient_capacity, device_check::union_capacity, total, capacity, 0, 0);
 }
 
@@ -181,7 +184,7 @@ inline union_buffers carve_union(kvevict::detail::workspace_carver& c, std::int6
 /// output row, 16 bytes per output row and CUB's scan scratch. 0 for a shape union_selections
 /// refuses (group < 1, rows not a positive multiple of group, slots outside [1, 2^31)).
 inline std::size_t union_selections_workspace_size(std::int64_t rows, std::int64_t group, std::int64_t slots) {
-  if (group < 1 || rows < 1 || rows % group != 0 || slots < 1 || slots > 0x7fffffff) return 0;
+  if (group < 1 || rows < 1 || rows % group != 0 || rows / group >= 0x7fffffff || slots < 1 || slots > 0x7fffffff) return 0;
   kvevict::detail::workspace_carver c;
   (void)detail::carve_union(c, rows / group, (slots + 31) / 32);
   return c.bytes() + kvevict::detail::workspace_carver::alignment;
@@ -227,6 +230,9 @@ template <int Unused = 0>
   if (rows < 1 || rows % group != 0)
     return status::error(errc::shape_mismatch, "union_selections: rows = %lld is not a positive multiple of group = %lld",
                          static_cast<long long>(rows), static_cast<long long>(group));
+  if (rows / group >= 0x7fffffff)
+    return status::error(errc::invalid_argument, "union_selections: rows / group = %lld output rows must be < 2^31 - 1",
+                         static_cast<long long>(rows / group));
   for (int k = 0; k < n; ++k) {
     if (!sels[k].indptr || !sels[k].indices)
       return status::error(errc::null_pointer, "union_selections: selection %d indptr/indices is null", k);
