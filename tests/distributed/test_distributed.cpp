@@ -225,6 +225,14 @@ status check_equal(const char* what, const dense_layer& whole, const typename Po
   return st;
 }
 
+/// Random LKV tables for 3 layers of H KV heads: LKV-T's MLP blocks and LKV-H's logits.
+void random_lkv_tables(std::uint64_t seed, std::int64_t H, std::int64_t d, int hid, std::vector<float>* mlp, std::vector<float>* logits) {
+  kvtest::rng r(seed);
+  const std::int64_t block = kvevict::scorers::learned_mlp::block_floats(d, hid);
+  for (std::int64_t i = 0; i < 3 * H * block; ++i) mlp->push_back(static_cast<float>(0.5 * r.normal()));
+  for (std::int64_t i = 0; i < 3 * H; ++i) logits->push_back(static_cast<float>(r.normal()));
+}
+
 template <class P>
 void set_lkv(P& p, const std::vector<float>& mlp, const std::vector<float>& logits, int layers, std::int64_t H, std::int64_t d, int hid,
              std::int64_t num_tokens) {
@@ -277,11 +285,8 @@ TEST_CASE("sharded == single process: AdaKV, CriticalAdaKV, PyramidKV, LKV on ra
   dist::mpi_communicator comm(MPI_COMM_WORLD);
   const std::int64_t B = 2, H = 6, G = 2, S = 96, d = 16, W = 8;
   const int hid = 8;
-  kvtest::rng r(5);
   std::vector<float> mlp, logits;
-  const std::int64_t block = kvevict::scorers::learned_mlp::block_floats(d, hid);
-  for (std::int64_t i = 0; i < 3 * H * block; ++i) mlp.push_back(static_cast<float>(0.5 * r.normal()));
-  for (std::int64_t i = 0; i < 3 * H; ++i) logits.push_back(static_cast<float>(r.normal()));
+  random_lkv_tables(5, H, d, hid, &mlp, &logits);
   for (int ragged = 0; ragged < 2; ++ragged)
     for (int layout = 0; layout < 3; ++layout) {
       const std::vector<std::int32_t> heads = shard_heads(layout, g_rank, g_size, H);
@@ -328,11 +333,8 @@ TEST_CASE("sharded over paged caches (per-head tables, start offsets) == single 
   dist::mpi_communicator comm(MPI_COMM_WORLD);
   const std::int64_t B = 2, H = 6, G = 2, S = 96, d = 16, W = 8;
   const int hid = 8;
-  kvtest::rng r(6);
   std::vector<float> mlp, logits;
-  const std::int64_t block = kvevict::scorers::learned_mlp::block_floats(d, hid);
-  for (std::int64_t i = 0; i < 3 * H * block; ++i) mlp.push_back(static_cast<float>(0.5 * r.normal()));
-  for (std::int64_t i = 0; i < 3 * H; ++i) logits.push_back(static_cast<float>(r.normal()));
+  random_lkv_tables(6, H, d, hid, &mlp, &logits);
   const dense_layer L = random_layer(103, B, H, G, S, d, W, true, true);
   for (int layout = 0; layout < 3; ++layout)
     for (std::int64_t ps : {1, 16}) {

@@ -165,6 +165,46 @@ void check_mode_ab(const char* name, const fixture<T>& f, typename Policy::param
   check_same_cache(pg, r, kc, vc, f.B, f.H, f.cap, f.d, kept, used);
 }
 
+/// Mode c: the union of SnapKV's and AdaKV's selections of pg (two "layers") equals a brute-force
+/// set union, and compacting pg with it equals cpu::compact of the contiguous cache with the same
+/// set for every head.
+void check_mode_c(const fixture<float>& f, kvtest::paged_copy<float>& pg) {
+  // two "layers": SnapKV and AdaKV selections of the same cache
+  kv::evictor<kv::presets::snapkv, kv::cpu::backend> e0;
+  kv::evictor<kv::presets::adakv, kv::cpu::backend> e1;
+  const auto s0 = kvtest::run_lib(e0, pg.in, kv::budget_request::fraction(0.2));
+  const auto s1 = kvtest::run_lib(e1, pg.in, kv::budget_request::fraction(0.2));
+  REQUIRE(s0.st.ok());
+  REQUIRE(s1.st.ok());
+  const kv::const_selection_view in_sels[2] = {{s0.indptr.data(), s0.indices.data(), f.B * f.H},
+                                               {s1.indptr.data(), s1.indices.data(), f.B * f.H}};
+  std::vector<std::int32_t> uptr(static_cast<std::size_t>(f.B + 1)), uidx(s0.indices.size() + s1.indices.size());
+  kv::selection_view u{uptr.data(), uidx.data(), nullptr, static_cast<std::int64_t>(uidx.size())};
+  REQUIRE(kv::cpu::union_selections(in_sels, 2, f.H, u).ok());
+  // the union by brute force
+  for (std::int64_t b = 0; b < f.B; ++b) {
+    std::set<std::int32_t> want;
+    for (const auto* s : {&s0, &s1})
+      for (std::int64_t h = 0; h < f.H; ++h)
+        for (auto x : s->kept(b * f.H + h)) want.insert(x);
+    CHECK(std::vector<std::int32_t>(uidx.begin() + uptr[static_cast<std::size_t>(b)], uidx.begin() + uptr[static_cast<std::size_t>(b + 1)]) ==
+          std::vector<std::int32_t>(want.begin(), want.end()));
+  }
+  // the contiguous reference: the same set for every head
+  std::vector<std::int32_t> rptr(1, 0), ridx, kept;
+  for (std::int64_t b = 0; b < f.B; ++b)
+    for (std::int64_t h = 0; h < f.H; ++h) {
+      ridx.insert(ridx.end(), uidx.begin() + uptr[static_cast<std::size_t>(b)], uidx.begin() + uptr[static_cast<std::size_t>(b + 1)]);
+      rptr.push_back(static_cast<std::int32_t>(ridx.size()));
+      kept.push_back(uptr[static_cast<std::size_t>(b + 1)] - uptr[static_cast<std::size_t>(b)]);
+    }
+  std::vector<float> kc, vc;
+  f.contiguous_compacted(rptr, ridx, kc, vc);
+  const compacted r = compact_pool(pg, kv::const_selection_view(uptr.data(), uidx.data(), f.B));
+  INFO(std::string(r.st.message()));
+  check_same_cache(pg, r, kc, vc, f.B, f.H, f.cap, f.d, kept, f.used_pages(pg));
+}
+
 }  // namespace
 
 TEST_CASE("compact_paged mode a: per-sequence tables, uniform budgets: the paged cache compacts to the contiguous one") {
@@ -220,40 +260,7 @@ TEST_CASE("compact_paged mode c: one token set per sequence for every head and l
       INFO("page_size " << ps << " reversed " << rev);
       kvtest::paged_copy<float> pg;
       kvtest::make_paged(f.st.in, ps, kvtest::pool_layout::nhd, false, false, 5 + static_cast<std::uint64_t>(ps), pg, true, 2, rev);
-      // two "layers": SnapKV and AdaKV selections of the same cache
-      kv::evictor<kv::presets::snapkv, kv::cpu::backend> e0;
-      kv::evictor<kv::presets::adakv, kv::cpu::backend> e1;
-      const auto s0 = kvtest::run_lib(e0, pg.in, kv::budget_request::fraction(0.2));
-      const auto s1 = kvtest::run_lib(e1, pg.in, kv::budget_request::fraction(0.2));
-      REQUIRE(s0.st.ok());
-      REQUIRE(s1.st.ok());
-      const kv::const_selection_view in_sels[2] = {{s0.indptr.data(), s0.indices.data(), f.B * f.H},
-                                                   {s1.indptr.data(), s1.indices.data(), f.B * f.H}};
-      std::vector<std::int32_t> uptr(static_cast<std::size_t>(f.B + 1)), uidx(s0.indices.size() + s1.indices.size());
-      kv::selection_view u{uptr.data(), uidx.data(), nullptr, static_cast<std::int64_t>(uidx.size())};
-      REQUIRE(kv::cpu::union_selections(in_sels, 2, f.H, u).ok());
-      // the union by brute force
-      for (std::int64_t b = 0; b < f.B; ++b) {
-        std::set<std::int32_t> want;
-        for (const auto* s : {&s0, &s1})
-          for (std::int64_t h = 0; h < f.H; ++h)
-            for (auto x : s->kept(b * f.H + h)) want.insert(x);
-        CHECK(std::vector<std::int32_t>(uidx.begin() + uptr[static_cast<std::size_t>(b)], uidx.begin() + uptr[static_cast<std::size_t>(b + 1)]) ==
-              std::vector<std::int32_t>(want.begin(), want.end()));
-      }
-      // the contiguous reference: the same set for every head
-      std::vector<std::int32_t> rptr(1, 0), ridx, kept;
-      for (std::int64_t b = 0; b < f.B; ++b)
-        for (std::int64_t h = 0; h < f.H; ++h) {
-          ridx.insert(ridx.end(), uidx.begin() + uptr[static_cast<std::size_t>(b)], uidx.begin() + uptr[static_cast<std::size_t>(b + 1)]);
-          rptr.push_back(static_cast<std::int32_t>(ridx.size()));
-          kept.push_back(uptr[static_cast<std::size_t>(b + 1)] - uptr[static_cast<std::size_t>(b)]);
-        }
-      std::vector<float> kc, vc;
-      f.contiguous_compacted(rptr, ridx, kc, vc);
-      const compacted r = compact_pool(pg, kv::const_selection_view(uptr.data(), uidx.data(), f.B));
-      INFO(std::string(r.st.message()));
-      check_same_cache(pg, r, kc, vc, f.B, f.H, f.cap, f.d, kept, f.used_pages(pg));
+      check_mode_c(f, pg);
     }
 }
 
@@ -278,27 +285,7 @@ TEST_CASE("compact_paged with rows that start inside their first page (pages.sta
   // mode c: one set per sequence (the union of SnapKV's and AdaKV's heads) on a table with offsets
   kvtest::paged_copy<float> pg;
   kvtest::make_paged(f.st.in, 16, kvtest::pool_layout::hnd, false, false, 77, pg, true, 2, false, true);
-  kv::evictor<kv::presets::snapkv, kv::cpu::backend> e0;
-  kv::evictor<kv::presets::adakv, kv::cpu::backend> e1;
-  const auto s0 = kvtest::run_lib(e0, pg.in, kv::budget_request::fraction(0.2));
-  const auto s1 = kvtest::run_lib(e1, pg.in, kv::budget_request::fraction(0.2));
-  REQUIRE(s0.st.ok());
-  REQUIRE(s1.st.ok());
-  const kv::const_selection_view in_sels[2] = {{s0.indptr.data(), s0.indices.data(), f.B * f.H}, {s1.indptr.data(), s1.indices.data(), f.B * f.H}};
-  std::vector<std::int32_t> uptr(static_cast<std::size_t>(f.B + 1)), uidx(s0.indices.size() + s1.indices.size());
-  REQUIRE(kv::cpu::union_selections(in_sels, 2, f.H, kv::selection_view{uptr.data(), uidx.data(), nullptr, static_cast<std::int64_t>(uidx.size())}).ok());
-  std::vector<std::int32_t> rptr(1, 0), ridx, kept;
-  for (std::int64_t b = 0; b < f.B; ++b)
-    for (std::int64_t h = 0; h < f.H; ++h) {
-      ridx.insert(ridx.end(), uidx.begin() + uptr[static_cast<std::size_t>(b)], uidx.begin() + uptr[static_cast<std::size_t>(b + 1)]);
-      rptr.push_back(static_cast<std::int32_t>(ridx.size()));
-      kept.push_back(uptr[static_cast<std::size_t>(b + 1)] - uptr[static_cast<std::size_t>(b)]);
-    }
-  std::vector<float> kc, vc;
-  f.contiguous_compacted(rptr, ridx, kc, vc);
-  const compacted r = compact_pool(pg, kv::const_selection_view(uptr.data(), uidx.data(), f.B));
-  INFO(std::string(r.st.message()));
-  check_same_cache(pg, r, kc, vc, f.B, f.H, f.cap, f.d, kept, f.used_pages(pg));
+  check_mode_c(f, pg);
 }
 
 TEST_CASE("compact_paged and union_selections: bad input is a named error and leaves the cache untouched") {
