@@ -301,6 +301,43 @@ class layer_exchange {
   std::vector<kvevict::detail::head_plan> gplans_;
 };
 
+/// This rank's whole-layer budgets (LKV-H) after agree(): `layer(b, plans, rows, budgets)`
+/// computes sequence b's allocation over its `rows` = global_rows() global rows (the single-device
+/// code on the global plans; the same on every rank) into `budgets`; this rank keeps its local
+/// rows' entries: budgets[b * H + h] (H = local rows per sequence). Host memory: one sequence.
+/// Shared by the CPU and CUDA drivers.
+template <class LayerBudgets>
+status local_layer_budgets(const layer_exchange& ex, std::int64_t batch, std::int64_t H, LayerBudgets&& layer, std::int64_t* budgets) {
+  const std::int64_t Hg = ex.global_rows();
+  std::vector<std::int64_t> gb(static_cast<std::size_t>(Hg));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    KVEVICT_TRY(layer(b, ex.global_plans() + b * Hg, Hg, gb.data()));
+    for (std::int64_t h = 0; h < H; ++h) budgets[b * H + h] = gb[static_cast<std::size_t>(ex.global_row(h))];
+  }
+  return {};
+}
+
+/// This rank's score-driven budgets (AdaKV, CriticalAdaKV) after agree(): the global winners
+/// (winners(), rounds 3-7), Budgeter::apportion_budgets over the global rows (the single-device
+/// host-device code, the same on every rank), this rank's slice into budgets[b * H + h].
+/// rows: (batch * H) local smoothed score rows (null where a row is not scored). Every rank
+/// calls it (it holds collectives). Shared by the CPU and CUDA drivers.
+template <class Budgeter>
+status local_score_budgets(layer_exchange& ex, const typename Budgeter::params& bp, const float* const* rows, std::int64_t batch,
+                           std::int64_t H, std::int64_t* budgets) {
+  const std::int64_t Hg = ex.global_rows();
+  std::vector<std::int64_t> win(static_cast<std::size_t>(batch * Hg)), T(static_cast<std::size_t>(batch)),
+      cap(static_cast<std::size_t>(Hg)), extra(static_cast<std::size_t>(Hg)), gb(static_cast<std::size_t>(Hg));
+  std::vector<double> share(static_cast<std::size_t>(Hg));
+  KVEVICT_TRY(ex.winners(rows, win.data(), T.data()));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    Budgeter::apportion_budgets(bp, ex.global_plans() + b * Hg, win.data() + b * Hg, Hg, T[static_cast<std::size_t>(b)], share.data(),
+                                cap.data(), extra.data(), gb.data());
+    for (std::int64_t h = 0; h < H; ++h) budgets[b * H + h] = gb[static_cast<std::size_t>(ex.global_row(h))];
+  }
+  return {};
+}
+
 }  // namespace detail
 }  // namespace distributed
 }  // namespace kvevict

@@ -285,14 +285,13 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
                             buf.plans));
       if constexpr (FE::kind == kvevict::detail::budget_kind::whole_layer) {
         // the whole-layer allocation over every rank's rows (the same on every rank); this rank's slice
-        const std::int64_t Hg = ex->global_rows();
-        std::vector<std::int64_t> gb(static_cast<std::size_t>(Hg));
-        for (std::int64_t b = 0; b < B; ++b) {
-          KVEVICT_TRY(Budgeter::layer_budgets(p_.budgeter, budget, ex->global_plans() + b * Hg, Hg, sh->global_kv_heads, in.layer_idx,
-                                              in.num_layers, gb.data(), buf.layer));
-          for (std::int64_t h = 0; h < H; ++h) buf.budgets[b * H + h] = gb[static_cast<std::size_t>(ex->global_row(h))];
-          FE::need_flags(p_, buf.plans + b * H, buf.budgets + b * H, H, buf.need + b * H);
-        }
+        KVEVICT_TRY(distributed::detail::local_layer_budgets(
+            *ex, B, H,
+            [&](std::int64_t, const kvevict::detail::head_plan* gp, std::int64_t Hg, std::int64_t* gb) {
+              return Budgeter::layer_budgets(p_.budgeter, budget, gp, Hg, sh->global_kv_heads, in.layer_idx, in.num_layers, gb, buf.layer);
+            },
+            buf.budgets));
+        for (std::int64_t b = 0; b < B; ++b) FE::need_flags(p_, buf.plans + b * H, buf.budgets + b * H, H, buf.need + b * H);
       }
     } else {
       KVEVICT_TRY(local);
@@ -449,19 +448,9 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   /// apportioning over the global rows (the single-device code), this rank's slice.
   status sharded_score_budgets(distributed::detail::layer_exchange& ex, buffers& buf, std::int64_t B, std::int64_t H,
                                std::int64_t S) const {
-    const std::int64_t Hg = ex.global_rows();
     std::vector<const float*> rowptr(static_cast<std::size_t>(B * H));
     for (std::int64_t r = 0; r < B * H; ++r) rowptr[static_cast<std::size_t>(r)] = buf.need[r] ? buf.scores + r * S : nullptr;
-    std::vector<std::int64_t> win(static_cast<std::size_t>(B * Hg)), T(static_cast<std::size_t>(B)), cap(static_cast<std::size_t>(Hg)),
-        extra(static_cast<std::size_t>(Hg)), gb(static_cast<std::size_t>(Hg));
-    std::vector<double> share(static_cast<std::size_t>(Hg));
-    KVEVICT_TRY(ex.winners(rowptr.data(), win.data(), T.data()));
-    for (std::int64_t b = 0; b < B; ++b) {
-      Budgeter::apportion_budgets(p_.budgeter, ex.global_plans() + b * Hg, win.data() + b * Hg, Hg, T[static_cast<std::size_t>(b)],
-                                  share.data(), cap.data(), extra.data(), gb.data());
-      for (std::int64_t h = 0; h < H; ++h) buf.budgets[b * H + h] = gb[static_cast<std::size_t>(ex.global_row(h))];
-    }
-    return {};
+    return distributed::detail::local_score_budgets<Budgeter>(ex, p_.budgeter, rowptr.data(), B, H, buf.budgets);
   }
 
   struct buffers {
