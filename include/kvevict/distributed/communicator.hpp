@@ -18,7 +18,8 @@ namespace distributed {
 /// Where the buffers a communicator's collectives receive live.
 enum class memory_space : int {
   host = 0,    ///< host memory (MPI without CUDA awareness, gloo)
-  device = 1,  ///< CUDA device memory (NCCL); the CPU backend refuses such a communicator
+  device = 1,  ///< CUDA device memory (NCCL); the CUDA backend's run_sharded stages its host messages
+               ///< through a device buffer; the CPU backend refuses such a communicator
 };
 
 /// The collectives kvevict needs from the engine's process group: the ranks that hold the heads
@@ -27,7 +28,8 @@ enum class memory_space : int {
 /// are bad (its error travels in the first collective; no rank is left waiting).
 ///
 /// Buffers hold int64 values (counts, histogram bins, head plans), `count` >= 1 of them, in
-/// space(). A collective returns an error status if the transport failed; kvevict then returns
+/// space(); with memory_space::device a collective must have completed when it returns (e.g.
+/// ncclAllReduce, then a synchronisation of its stream). A collective returns an error status if the transport failed; kvevict then returns
 /// that status (prefixed with the rank) on this rank, and the engine owns recovery (as with any
 /// failed collective, the group is unusable afterwards).
 class communicator {

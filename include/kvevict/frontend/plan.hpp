@@ -41,7 +41,7 @@ struct plan_options {
   /// KV heads are split over the ranks of a group, and head-wise budgeters (AdaKV, LKV-H) allocate
   /// over all of them. max_selected is then an upper bound (budget moves between ranks) except
   /// for per-head budgeters; the whole-layer allocation is checked at run time.
-  /// CPU backend only.
+  /// CPU and CUDA backends (the CUDA run_sharded synchronises its stream; docs/distributed.md).
   bool sharded = false;
 };
 

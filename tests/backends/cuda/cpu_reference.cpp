@@ -5,6 +5,7 @@
 
 #include "kvevict/backends/cpu/learned.hpp"
 #include "kvevict/cpu.hpp"
+#include "kvevict/distributed.hpp"
 #include "../examples/value_norm/value_norm_cpu.hpp"
 
 namespace kvevict_test {
@@ -31,6 +32,34 @@ cpu_result cpu_run(const kvevict::layer_inputs<T>& in, const typename P::params&
   r.st = ev.run(in, budget, sel, r.scores.data());
   return r;
 }
+
+template <class P, class T>
+cpu_result cpu_run_sharded(const kvevict::layer_inputs<T>& in, const typename P::params& p, kvevict::budget_request budget,
+                           kvevict::distributed::communicator* comm, const kvevict::distributed::shard& sh) {
+  cpu_result r;
+  kvevict::evictor<P, kvevict::cpu::backend> ev(p);
+  kvevict::plan_options opt;
+  opt.sharded = true;
+  kvevict::eviction_plan pl;
+  r.st = ev.plan(in, budget, &pl, opt);  // on error the run below still takes part in the exchange
+  const std::int64_t rows = in.batch() * ev.out_heads(in), cap = pl.valid ? pl.max_selected : 1;
+  r.indptr.assign(static_cast<std::size_t>(rows + 1), 0);
+  r.indices.assign(static_cast<std::size_t>(cap > 0 ? cap : 1), -1);
+  r.scores.assign(static_cast<std::size_t>(rows * in.capacity() + 1), 0.0f);
+  std::vector<unsigned char> ws(pl.valid ? pl.workspace_bytes : 1);
+  kvevict::selection_view sel;
+  sel.indptr = r.indptr.data();
+  sel.indices = r.indices.data();
+  sel.capacity = cap;
+  r.st = ev.run_sharded(pl, in, comm, sh, sel, ws.data(), ws.size(), r.scores.data());
+  return r;
+}
+template cpu_result cpu_run_sharded<kvevict::presets::adakv, float>(const kvevict::layer_inputs<float>&, const kvevict::presets::adakv::params&,
+                                                                    kvevict::budget_request, kvevict::distributed::communicator*,
+                                                                    const kvevict::distributed::shard&);
+template cpu_result cpu_run_sharded<kvevict::presets::pyramidkv, float>(const kvevict::layer_inputs<float>&,
+                                                                        const kvevict::presets::pyramidkv::params&, kvevict::budget_request,
+                                                                        kvevict::distributed::communicator*, const kvevict::distributed::shard&);
 
 template <class P, class T>
 std::int64_t cpu_max_selected(const kvevict::layer_inputs<T>& in, const typename P::params& p, kvevict::budget_request budget) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "user_scorer.hpp"
+#include "kvevict/distributed/communicator.hpp"
 #include "kvevict/kvevict.hpp"
 
 namespace kvevict_test {
@@ -33,6 +34,13 @@ std::int64_t cpu_max_selected(const kvevict::layer_inputs<T>& in, const typename
 template <class T>
 kvevict::status cpu_compact_paged(const kvevict::paged_cache<T>& cache, kvevict::const_selection_view sel,
                                   kvevict::paged_compaction_result out);
+
+/// evictor<P, cpu::backend>::run_sharded on this rank's host views (plan_options::sharded,
+/// capacity = the plan's max_selected), for the CUDA sharded test's harness. Instantiated for
+/// presets::adakv and presets::pyramidkv with float.
+template <class P, class T>
+cpu_result cpu_run_sharded(const kvevict::layer_inputs<T>& in, const typename P::params& p, kvevict::budget_request budget,
+                           kvevict::distributed::communicator* comm, const kvevict::distributed::shard& sh);
 
 /// kvevict::cpu::union_selections (host memory), for the device union's tests.
 kvevict::status cpu_union_selections(const kvevict::const_selection_view* sels, int n, std::int64_t group, kvevict::selection_view out);

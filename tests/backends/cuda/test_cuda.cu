@@ -31,6 +31,7 @@
 #include "backends/cuda/cpu_reference.hpp"
 #include "backends/cuda/model_reference.hpp"
 #include "reference/paged.hpp"
+#include "reference/thread_communicator.hpp"
 #include "kvevict/backends/cuda/learned.cuh"
 #include "kvevict/cuda.cuh"
 
@@ -2654,6 +2655,449 @@ TEST_CASE("cuda: compact_paged equals a naive gather in modes a, b and c; freed 
     expect_error(device_compact(b, c, hin, ip, ix, false, m2, bad2), kv::errc::invalid_argument, "repeats a page");
   }
   CHECK(bad2 == 0);
+}
+
+// ---- sharded eviction (run_sharded, docs/distributed.md) over in-process thread ranks ----
+
+namespace {
+
+/// The case's KV heads `heads` (in that order) as a case of their own (HND layout): K, V, each
+/// head's G query heads and W_O blocks, per-head lengths, positions.
+template <class T>
+host_case<T> slice_heads(const host_case<T>& c, const std::vector<std::int32_t>& heads) {
+  host_case<T> s = c;
+  const int Hl = static_cast<int>(heads.size()), G = c.G;
+  const std::size_t sd = static_cast<std::size_t>(c.S) * c.d, wd = static_cast<std::size_t>(c.W) * c.d, dd = static_cast<std::size_t>(c.d) * c.d;
+  s.Hkv = Hl;
+  s.per_head = true;
+  s.k.assign(static_cast<std::size_t>(c.B) * Hl * sd, T{});
+  s.v = s.k;
+  s.q.assign(static_cast<std::size_t>(c.B) * Hl * G * wd, T{});
+  s.wo.assign(static_cast<std::size_t>(Hl) * G * dd, 0.0f);
+  s.lens.assign(static_cast<std::size_t>(c.B) * Hl, 0);
+  s.pos.assign(static_cast<std::size_t>(c.B) * Hl * c.S, 0);
+  for (int b = 0; b < c.B; ++b)
+    for (int i = 0; i < Hl; ++i) {
+      const std::size_t h = static_cast<std::size_t>(heads[static_cast<std::size_t>(i)]), src = static_cast<std::size_t>(b) * c.Hkv + h,
+                        dst = static_cast<std::size_t>(b) * Hl + static_cast<std::size_t>(i);
+      std::copy_n(c.k.begin() + src * sd, sd, s.k.begin() + dst * sd);
+      std::copy_n(c.v.begin() + src * sd, sd, s.v.begin() + dst * sd);
+      std::copy_n(c.pos.begin() + src * c.S, c.S, s.pos.begin() + dst * c.S);
+      s.lens[dst] = c.len_of(b, static_cast<std::int64_t>(h));
+      for (int g = 0; g < G; ++g)
+        std::copy_n(c.q.begin() + (src * G + g) * wd, wd, s.q.begin() + (dst * G + g) * wd);
+    }
+  for (int i = 0; i < Hl; ++i)
+    for (int g = 0; g < G; ++g)
+      std::copy_n(c.wo.begin() + (static_cast<std::size_t>(heads[static_cast<std::size_t>(i)]) * G + g) * dd, dd,
+                  s.wo.begin() + (static_cast<std::size_t>(i) * G + g) * dd);
+  return s;
+}
+
+/// Global KV heads per rank: `ranks` groups of Hkv heads, blocks (Megatron-style) or dealt
+/// round-robin in reverse order (any order is allowed).
+std::vector<std::vector<std::int32_t>> shard_layout(int Hkv, int ranks, bool dealt) {
+  std::vector<std::vector<std::int32_t>> heads(static_cast<std::size_t>(ranks));
+  for (int h = 0; h < Hkv; ++h) {
+    const int r = dealt ? h % ranks : h * ranks / Hkv;
+    auto& v = heads[static_cast<std::size_t>(r)];
+    if (dealt) v.insert(v.begin(), h);
+    else v.push_back(h);
+  }
+  return heads;
+}
+
+/// Local row (b, i) of a rank holding `heads` (gout out rows per KV head) as a global row.
+std::int64_t global_row_of(const std::vector<std::int32_t>& heads, int global_kv_heads, int gout, std::int64_t local_row) {
+  const std::int64_t H = static_cast<std::int64_t>(heads.size()) * gout, b = local_row / H, h = local_row % H;
+  return b * global_kv_heads * gout + static_cast<std::int64_t>(heads[static_cast<std::size_t>(h / gout)]) * gout + h % gout;
+}
+
+/// Every local row of a rank equals its global row in a single-process result (indices; scores
+/// bit for bit when given).
+void check_rows_equal(const std::vector<std::int32_t>& heads, int global_kv_heads, int gout, std::int64_t S,
+                      const std::vector<std::int32_t>& lp, const std::vector<std::int32_t>& li, const std::vector<float>* ls,
+                      const std::vector<std::int32_t>& gp, const std::vector<std::int32_t>& gi, const std::vector<float>* gs) {
+  const std::int64_t rows = static_cast<std::int64_t>(lp.size()) - 1;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t g = global_row_of(heads, global_kv_heads, gout, r);
+    CAPTURE(r);
+    CAPTURE(g);
+    const std::vector<std::int32_t> a(li.begin() + lp[static_cast<std::size_t>(r)], li.begin() + lp[static_cast<std::size_t>(r) + 1]);
+    const std::vector<std::int32_t> e(gi.begin() + gp[static_cast<std::size_t>(g)], gi.begin() + gp[static_cast<std::size_t>(g) + 1]);
+    CHECK(a == e);
+    if (ls && gs)
+      CHECK(std::equal(ls->begin() + r * S, ls->begin() + (r + 1) * S, gs->begin() + g * S));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("host: the thread-rank harness drives the CPU run_sharded to the single-process selection (AdaKV, PyramidKV; 1-4 ranks)") {
+  // The harness of the CUDA sharded test below (slice_heads, shard_layout, the thread
+  // communicator, the row mapping) checked on the CPU backend, which runs without a device.
+  auto c = make_case<float>(901, 2, 4, 2, 150, 8, 16, kv::kv_layout::hnd, false);
+  c.per_head = true;
+  c.lens = {150, 121, 97, 150, 64, 150, 150, 33};
+  const auto budget = kv::budget_request::fraction(0.3);
+  const auto hin = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  auto check_policy = [&](auto tag) {
+    using P = decltype(tag);
+    const auto p = P::defaults();
+    const cpu_result whole = kvevict_test::cpu_run<P, float>(hin, p, budget);
+    REQUIRE_MESSAGE(whole.st.ok(), whole.st.message());
+    for (int ranks = 1; ranks <= 4; ++ranks)
+      for (bool dealt : {false, true}) {
+        CAPTURE(ranks);
+        CAPTURE(dealt);
+        const auto heads = shard_layout(c.Hkv, ranks, dealt);
+        std::vector<host_case<float>> parts;
+        for (const auto& hs : heads) parts.push_back(slice_heads(c, hs));
+        std::vector<cpu_result> got(static_cast<std::size_t>(ranks));
+        kvevict_test::thread_group group(ranks);
+        kvevict_test::run_ranks(ranks, [&](int r) {
+          kvevict_test::thread_communicator comm(&group, r);
+          const auto& pc = parts[static_cast<std::size_t>(r)];
+          const auto& hs = heads[static_cast<std::size_t>(r)];
+          const kv::distributed::shard sh{c.Hkv, hs.data(), static_cast<std::int32_t>(hs.size())};
+          got[static_cast<std::size_t>(r)] = kvevict_test::cpu_run_sharded<P, float>(
+              pc.views(pc.k.data(), pc.v.data(), pc.q.data(), pc.wo.data(), pc.lens.data(), pc.pos.data()), p, budget, &comm, sh);
+        });
+        std::int64_t kept = 0;
+        for (int r = 0; r < ranks; ++r) {
+          const auto& g = got[static_cast<std::size_t>(r)];
+          REQUIRE_MESSAGE(g.st.ok(), g.st.message());
+          check_rows_equal(heads[static_cast<std::size_t>(r)], c.Hkv, 1, c.S, g.indptr, g.indices, &g.scores, whole.indptr, whole.indices,
+                           &whole.scores);
+          kept += g.indptr.back();
+        }
+        CHECK(kept == whole.indptr.back());  // budgets sum exactly
+      }
+  };
+  check_policy(kv::presets::adakv{});
+  check_policy(kv::presets::pyramidkv{});
+}
+
+TEST_CASE("host: CUDA plan(sharded) and run_sharded's host-side refusals (no device needed)") {
+  auto c = make_case<float>(902, 1, 2, 2, 64, 8, 16, kv::kv_layout::hnd, false);
+  // device pointers are never read on these paths: host copies stand in for them
+  const auto in = c.views(c.k.data(), c.v.data(), c.q.data(), c.wo.data(), c.lens.data(), c.pos.data());
+  const auto budget = kv::budget_request::fraction(0.3);
+  const std::vector<std::int32_t> hl = host_lengths_of(c);
+  kv::plan_options opt;
+  opt.host_lengths = hl.data();
+  opt.sharded = true;
+  SUBCASE("AdaKV: a sharded plan bounds every row by its length; run() refuses it, run_sharded refuses a plain plan on every rank") {
+    kv::evictor<kv::presets::adakv, kv::cuda::backend> ev;
+    kv::eviction_plan pl;
+    REQUIRE(ev.plan(in, budget, &pl, opt).ok());
+    CHECK(pl.sharded);
+    CHECK_FALSE(pl.max_selected_exact);
+    CHECK(pl.max_selected == static_cast<std::int64_t>(c.lens[0]) * c.Hkv);
+    std::vector<std::int32_t> indptr(3), indices(static_cast<std::size_t>(pl.max_selected));
+    std::vector<unsigned char> ws(pl.workspace_bytes);
+    kv::selection_view sel;
+    sel.indptr = indptr.data();
+    sel.indices = indices.data();
+    sel.capacity = pl.max_selected;
+    const kv::status r1 = ev.run(pl, in, sel, ws.data(), ws.size());
+    CHECK(r1.code() == kv::errc::invalid_argument);
+    CHECK(std::string(r1.message()).find("call run_sharded()") != std::string::npos);
+    kv::eviction_plan plain;
+    REQUIRE(ev.plan(in, budget, &plain).ok());
+    const std::vector<std::int32_t> heads = {1, 0};
+    const kv::distributed::shard sh{2, heads.data(), 2};
+    kv::distributed::self_communicator self;
+    kv::distributed::exchange_stats stats;
+    const kv::status r2 = ev.run_sharded(plain, in, &self, sh, sel, ws.data(), ws.size(), nullptr, &stats);
+    CHECK(r2.code() == kv::errc::invalid_argument);
+    CHECK(std::string(r2.message()).find("plan_options::sharded") != std::string::npos);
+    CHECK(stats.rounds == 1);  // the error travelled in round 1
+    CHECK(ev.run_sharded(pl, in, nullptr, sh, sel, ws.data(), ws.size()).code() == kv::errc::null_pointer);
+    // a bad shard is this rank's round-1 error (before anything is enqueued)
+    const std::vector<std::int32_t> twice = {1, 1};
+    const kv::status r3 = ev.run_sharded(pl, in, &self, kv::distributed::shard{2, twice.data(), 2}, sel, ws.data(), ws.size());
+    CHECK(r3.code() == kv::errc::invalid_argument);
+    CHECK(std::string(r3.message()).find("a head held twice") != std::string::npos);
+    CHECK(indptr == std::vector<std::int32_t>(3, 0));  // nothing written
+  }
+  SUBCASE("gqa = layer_mean cannot be sharded") {
+    auto p = kv::presets::snapkv::defaults();
+    p.gqa = kv::gqa_reduction::layer_mean;
+    kv::evictor<kv::presets::snapkv, kv::cuda::backend> ev(p);
+    kv::eviction_plan pl;
+    CHECK(ev.plan(in, budget, &pl, opt).code() == kv::errc::not_supported);
+  }
+  SUBCASE("LKV-H: a sharded plan takes the whole model's table (more KV heads than this rank's)") {
+    using P = kv::lkv::full;
+    auto p = P::defaults();
+    p.scorer.weights = c.wo.data();  // never read by plan()
+    p.scorer.num_layers = 1;
+    p.scorer.kv_heads = 2;
+    p.scorer.head_dim = 16;
+    p.scorer.hidden = 4;
+    p.scorer.on_device = true;
+    const std::vector<double> ratios(8, 0.125);
+    p.budgeter.logits = c.wo.data();
+    p.budgeter.num_layers = 1;
+    p.budgeter.kv_heads = 8;  // the global layer: 8 KV heads, 2 on this rank
+    p.budgeter.on_device = true;
+    p.budgeter.ratios = ratios.data();
+    p.budgeter.ratios_temperature = p.budgeter.temperature;
+    kv::evictor<P, kv::cuda::backend> ev(p);
+    auto nq = c;
+    nq.no_queries = true;
+    const auto in2 = nq.views(c.k.data(), c.v.data(), nullptr, nullptr, c.lens.data(), c.pos.data());
+    kv::eviction_plan pl;
+    const kv::status sp = ev.plan(in2, budget, &pl, opt);
+    CHECK_MESSAGE(sp.ok(), sp.message());
+    kv::plan_options plain = opt;
+    plain.sharded = false;
+    CHECK(ev.plan(in2, budget, &pl, plain).code() == kv::errc::shape_mismatch);  // unsharded, the table must be the layer's
+  }
+}
+
+namespace {
+
+/// A memory_space::device communicator over a thread_group (an NCCL stand-in): the collectives
+/// take device buffers and have completed when they return.
+class device_thread_communicator final : public kv::distributed::communicator {
+ public:
+  device_thread_communicator(kvevict_test::thread_group* g, int rank) : host_(g, rank) {}
+  int rank() const override { return host_.rank(); }
+  int size() const override { return host_.size(); }
+  kv::distributed::memory_space space() const override { return kv::distributed::memory_space::device; }
+  kv::status all_reduce_sum(std::int64_t* data, std::int64_t count) override {
+    std::vector<std::int64_t> h(static_cast<std::size_t>(count));
+    if (cudaMemcpy(h.data(), data, h.size() * 8, cudaMemcpyDeviceToHost) != cudaSuccess) device_errors++;
+    KVEVICT_TRY(host_.all_reduce_sum(h.data(), count));
+    if (cudaMemcpy(data, h.data(), h.size() * 8, cudaMemcpyHostToDevice) != cudaSuccess) device_errors++;
+    return {};
+  }
+  kv::status all_gather(const std::int64_t* send, std::int64_t count, std::int64_t* recv) override {
+    std::vector<std::int64_t> h(static_cast<std::size_t>(count)), all(static_cast<std::size_t>(count * size()));
+    if (cudaMemcpy(h.data(), send, h.size() * 8, cudaMemcpyDeviceToHost) != cudaSuccess) device_errors++;
+    KVEVICT_TRY(host_.all_gather(h.data(), count, all.data()));
+    if (cudaMemcpy(recv, all.data(), all.size() * 8, cudaMemcpyHostToDevice) != cudaSuccess) device_errors++;
+    return {};
+  }
+  int device_errors = 0;
+
+ private:
+  kvevict_test::thread_communicator host_;
+};
+
+/// One rank's device state for a sharded CUDA run (allocated on the calling thread).
+template <class T>
+struct sharded_rank {
+  host_case<T> part;
+  std::vector<std::int32_t> heads;
+  std::unique_ptr<dbuf<T>> k, v, q;
+  std::unique_ptr<dbuf<float>> wo, scores;
+  std::unique_ptr<dbuf<std::int32_t>> lens, pos, indptr, indices;
+  std::unique_ptr<dbuf<unsigned char>> ws;
+  kv::status st;
+  kv::distributed::exchange_stats stats;
+  std::vector<std::int32_t> got_indptr, got_indices;
+  std::vector<float> got_scores;
+};
+
+/// run_sharded of policy P on `ranks` thread ranks (one stream each) over the heads of c;
+/// params_of(rank, heads) gives a rank's params; `edit(rank, part)` may spoil a rank's inputs.
+/// Fills each rank's status and (on success) its selection and scores.
+template <class P, class T, class Params, class Edit>
+std::vector<sharded_rank<T>> gpu_run_sharded(const host_case<T>& c, const std::vector<std::vector<std::int32_t>>& heads, Params params_of,
+                                             kv::budget_request budget, bool device_comm, Edit edit) {
+  const int ranks = static_cast<int>(heads.size());
+  std::vector<sharded_rank<T>> rs(static_cast<std::size_t>(ranks));
+  std::vector<kv::eviction_plan> plans(static_cast<std::size_t>(ranks));
+  std::vector<kv::layer_inputs<T>> ins(static_cast<std::size_t>(ranks));
+  std::vector<std::int64_t> caps(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    auto& x = rs[static_cast<std::size_t>(r)];
+    x.heads = heads[static_cast<std::size_t>(r)];
+    x.part = slice_heads(c, x.heads);
+    edit(r, x.part);
+    x.k.reset(new dbuf<T>(x.part.k));
+    x.v.reset(new dbuf<T>(x.part.v));
+    x.q.reset(new dbuf<T>(x.part.q));
+    x.wo.reset(new dbuf<float>(x.part.wo));
+    x.lens.reset(new dbuf<std::int32_t>(x.part.lens));
+    x.pos.reset(new dbuf<std::int32_t>(x.part.pos));
+    ins[static_cast<std::size_t>(r)] = x.part.views(x.k->p, x.v->p, x.q->p, x.wo->p, x.lens->p, x.pos->p);
+    kv::evictor<P, kv::cuda::backend> ev(params_of(r, x.heads));
+    const std::vector<std::int32_t> hl = host_lengths_of(x.part);
+    kv::plan_options opt;
+    opt.host_lengths = hl.data();
+    opt.sharded = true;
+    const kv::status ps = ev.plan(ins[static_cast<std::size_t>(r)], budget, &plans[static_cast<std::size_t>(r)], opt);
+    REQUIRE_MESSAGE(ps.ok(), ps.message());
+    const auto& pl = plans[static_cast<std::size_t>(r)];
+    caps[static_cast<std::size_t>(r)] = pl.max_selected;
+    x.indptr.reset(new dbuf<std::int32_t>(static_cast<std::size_t>(pl.rows + 1)));
+    x.indices.reset(new dbuf<std::int32_t>(static_cast<std::size_t>(std::max<std::int64_t>(1, pl.max_selected))));
+    x.scores.reset(new dbuf<float>(static_cast<std::size_t>(pl.rows * c.S)));
+    x.ws.reset(new dbuf<unsigned char>(pl.workspace_bytes));
+    CUDA_OK(cudaMemset(x.indptr->p, 0xff, x.indptr->n * sizeof(std::int32_t)));
+  }
+  kvevict_test::thread_group group(ranks);
+  kvevict_test::run_ranks(ranks, [&](int r) {
+    auto& x = rs[static_cast<std::size_t>(r)];
+    cudaStream_t s = nullptr;
+    const bool own_stream = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess;
+    if (!own_stream) s = nullptr;  // the legacy stream: this rank must still take part
+    kv::cuda::backend be;
+    be.stream = s;
+    // The evictor is rebuilt with the rank's stream: its plan is then another object's, so plan again.
+    kv::evictor<P, kv::cuda::backend> ev(params_of(r, x.heads), be);
+    const std::vector<std::int32_t> hl = host_lengths_of(x.part);
+    kv::plan_options opt;
+    opt.host_lengths = hl.data();
+    opt.sharded = true;
+    kv::eviction_plan pl;
+    const kv::status ps = ev.plan(ins[static_cast<std::size_t>(r)], budget, &pl, opt);  // the same plan as above
+    kv::selection_view sel;
+    sel.indptr = x.indptr->p;
+    sel.indices = x.indices->p;
+    sel.capacity = caps[static_cast<std::size_t>(r)];
+    const kv::distributed::shard sh{c.Hkv, x.heads.data(), static_cast<std::int32_t>(x.heads.size())};
+    kvevict_test::thread_communicator hc(&group, r);
+    device_thread_communicator dc(&group, r);
+    kv::distributed::communicator* comm = device_comm ? static_cast<kv::distributed::communicator*>(&dc) : &hc;
+    // called whatever plan() said (an invalid plan is this rank's round-1 error): no rank left waiting
+    x.st = ev.run_sharded(pl, ins[static_cast<std::size_t>(r)], comm, sh, sel, x.ws->p, x.ws->n, x.scores->p, &x.stats);
+    if (!ps.ok()) x.st = ps;
+    if (cudaStreamSynchronize(s) != cudaSuccess && x.st.ok()) x.st = kv::status::error(kv::errc::cuda_error, "stream");
+    if (dc.device_errors && x.st.ok()) x.st = kv::status::error(kv::errc::cuda_error, "device communicator copy failed");
+    if (own_stream) cudaStreamDestroy(s);
+  });
+  for (auto& x : rs) {
+    if (!x.st.ok()) continue;
+    const std::int64_t rows = static_cast<std::int64_t>(x.indptr->n) - 1;
+    x.got_indptr = x.indptr->get(static_cast<std::size_t>(rows + 1));
+    x.got_indices = x.indices->get(static_cast<std::size_t>(std::max(0, x.got_indptr.back())));
+    x.got_scores = x.scores->get(static_cast<std::size_t>(rows * c.S));
+  }
+  return rs;
+}
+
+/// Sharded runs of P at 1-4 ranks (two head layouts, host and device communicators) against
+/// the single-device run of the whole layer: every local row equal (indices, scores bit for
+/// bit), the budgets summing to the single-device total, 3 + (AdaKV) radix rounds.
+template <class P, class T, class Params>
+void check_sharded_equals_whole(const host_case<T>& c, Params params_of, const typename P::params& whole_params, kv::budget_request budget) {
+  const auto whole = gpu_run<P>(c, whole_params, budget);
+  REQUIRE_MESSAGE(whole.st.ok(), whole.st.message());
+  REQUIRE_MESSAGE(whole.dev.ok(), whole.dev.message());
+  for (int ranks = 1; ranks <= 4; ++ranks)
+    for (bool dealt : {false, true})
+      for (bool device_comm : {false, true}) {
+        CAPTURE(ranks);
+        CAPTURE(dealt);
+        CAPTURE(device_comm);
+        const auto heads = shard_layout(c.Hkv, ranks, dealt);
+        const auto rs = gpu_run_sharded<P>(c, heads, params_of, budget, device_comm, [](int, host_case<T>&) {});
+        std::int64_t kept = 0;
+        for (const auto& x : rs) {
+          REQUIRE_MESSAGE(x.st.ok(), x.st.message());
+          check_rows_equal(x.heads, c.Hkv, 1, c.S, x.got_indptr, x.got_indices, &x.got_scores, whole.indptr, whole.indices, &whole.scores);
+          kept += x.got_indptr.back();
+          CHECK(x.stats.rounds >= 3);
+          CHECK(x.stats.bytes < 64 * 1024);
+        }
+        CHECK(kept == whole.indptr.back());
+      }
+}
+
+}  // namespace
+
+TEST_CASE("cuda: run_sharded over 1-4 thread ranks (host and device communicators) equals the single-device run: AdaKV, PyramidKV, LKV") {
+  auto c = make_case<kv::bfloat16_t>(903, 2, 4, 2, 160, 8, 32, kv::kv_layout::hnd, false);
+  c.per_head = true;
+  c.lens = {160, 131, 97, 160, 64, 160, 160, 40};
+  const auto budget = kv::budget_request::fraction(0.3);
+  SUBCASE("AdaKV") {
+    const auto p = kv::presets::adakv::defaults();
+    check_sharded_equals_whole<kv::presets::adakv>(c, [&](int, const std::vector<std::int32_t>&) { return p; }, p, budget);
+  }
+  SUBCASE("PyramidKV") {
+    auto c2 = c;
+    c2.layer_idx = 1;
+    c2.num_layers = 4;
+    const auto p = kv::presets::pyramidkv::defaults();
+    check_sharded_equals_whole<kv::presets::pyramidkv>(c2, [&](int, const std::vector<std::int32_t>&) { return p; }, p, budget);
+  }
+  SUBCASE("LKV (per-rank LKV-T tables, the whole model's LKV-H table)") {
+    using P = kv::lkv::full;
+    auto cl = c;
+    cl.no_queries = true;
+    cl.layer_idx = 1;
+    cl.num_layers = 2;
+    const auto art = make_tables(904, 2, 4, 32, 16, kv::lkv_activation::silu, 1.0f);
+    kv::cuda::lkv_device_tables whole_tables;
+    REQUIRE(whole_tables.upload(art).ok());
+    // each rank's LKV-T rows (every layer, its heads), uploaded as an artifact of its own
+    std::vector<std::unique_ptr<kv::cuda::lkv_device_tables>> rank_tables;
+    std::vector<std::vector<std::int32_t>> table_heads;
+    auto params_of = [&](int, const std::vector<std::int32_t>& hs) {
+      std::size_t t = 0;
+      while (t < table_heads.size() && table_heads[t] != hs) ++t;
+      REQUIRE(t < table_heads.size());
+      P::params p = lkv_params<P>(nullptr, &whole_tables);
+      p.scorer = rank_tables[t]->scorer_params();
+      p.budgeter.num_tokens = cl.S;  // ragged heads: the allocation is made for S tokens per head
+      return p;
+    };
+    auto whole_params = lkv_params<P>(nullptr, &whole_tables);
+    whole_params.budgeter.num_tokens = cl.S;
+    for (int ranks = 1; ranks <= 4; ++ranks)
+      for (bool dealt : {false, true})
+        for (const auto& hs : shard_layout(4, ranks, dealt)) {
+          kv::io::lkv_artifact a = art;
+          a.kv_heads = static_cast<std::int32_t>(hs.size());
+          a.logits.assign(static_cast<std::size_t>(a.heads()), 0.0f);
+          const std::int64_t blk = art.block();
+          a.mlp.assign(static_cast<std::size_t>(a.heads() * blk), 0.0f);
+          for (int l = 0; l < art.num_layers; ++l)
+            for (std::size_t i = 0; i < hs.size(); ++i)
+              std::copy_n(art.mlp.begin() + (static_cast<std::int64_t>(l) * art.kv_heads + hs[i]) * blk, blk,
+                          a.mlp.begin() + (static_cast<std::int64_t>(l) * a.kv_heads + static_cast<std::int64_t>(i)) * blk);
+          rank_tables.emplace_back(new kv::cuda::lkv_device_tables());
+          REQUIRE(rank_tables.back()->upload(a).ok());
+          table_heads.push_back(hs);
+        }
+    check_sharded_equals_whole<P>(cl, params_of, whole_params, budget);
+  }
+}
+
+TEST_CASE("cuda: run_sharded errors reach every rank, none left waiting, nothing written") {
+  auto c = make_case<float>(905, 1, 4, 2, 96, 8, 16, kv::kv_layout::hnd, false);
+  const auto budget = kv::budget_request::fraction(0.3);
+  const auto p = kv::presets::adakv::defaults();
+  const auto heads = shard_layout(4, 3, false);
+  auto params_of = [&](int, const std::vector<std::int32_t>&) { return p; };
+  for (bool device_comm : {false, true}) {
+    CAPTURE(device_comm);
+    // a NaN in rank 1's keys (found by the device scan before round 1)
+    const auto rs = gpu_run_sharded<kv::presets::adakv>(c, heads, params_of, budget, device_comm, [](int r, host_case<float>& part) {
+      if (r == 1) part.k[5] = std::numeric_limits<float>::quiet_NaN();
+    });
+    for (std::size_t r = 0; r < rs.size(); ++r) {
+      CAPTURE(r);
+      CHECK(rs[r].st.code() == kv::errc::non_finite_input);
+      CHECK(rs[r].indptr->get(2) == std::vector<std::int32_t>(2, -1));  // indptr untouched
+    }
+    // overlapping shards (head 1 on ranks 0 and 1): found in round 1, after every rank's stages 0-1
+    const std::vector<std::vector<std::int32_t>> overlap = {{0, 1}, {1, 2}, {3}};
+    const auto rs2 = gpu_run_sharded<kv::presets::adakv>(c, overlap, params_of, budget, device_comm, [](int, host_case<float>&) {});
+    for (std::size_t r = 0; r < rs2.size(); ++r) {
+      CAPTURE(r);
+      CHECK(rs2[r].st.code() == kv::errc::invalid_argument);
+      CHECK_MESSAGE(std::string(rs2[r].st.message()).find("hold 5 KV heads in all") != std::string::npos, rs2[r].st.message());
+      CHECK(rs2[r].indptr->get(2) == std::vector<std::int32_t>(2, -1));
+      CHECK(rs2[r].stats.rounds == 1);
+    }
+  }
 }
 
 int main(int argc, char** argv) {

@@ -16,8 +16,12 @@
 #include "kvevict/backends/cuda/impl.cuh"
 #include "kvevict/backends/cuda/paged.cuh"
 #include "kvevict/backends/cuda/select.cuh"
+#include "kvevict/backends/cuda/sharded.cuh"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/workspace.hpp"
+#include "kvevict/distributed/communicator.hpp"
+#include "kvevict/distributed/exchange.hpp"
+#include "kvevict/distributed/fingerprint.hpp"
 #include "kvevict/evictor.hpp"
 #include "kvevict/frontend/frontend.hpp"
 #include "kvevict/frontend/plan.hpp"
@@ -110,10 +114,9 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
                                         : (in.paged() ? opt.host_lengths != nullptr : (in.lengths.data == nullptr || opt.host_lengths != nullptr));
     rq.host_budgets = budgeter_i::host_budgets;
     rq.num_threads = 1;
-    if (opt.sharded)  // docs/distributed.md: the exchange runs on the CPU backend's host buffers
-      return status::error(errc::not_supported, "plan_options.sharded: the CUDA backend has no run_sharded (docs/distributed.md)");
+    rq.sharded = opt.sharded;
     return front::make_plan(
-        in, p_, budget, rq, [&]() { return backend_check(in); }, [&](int) { return workspace_size(in); }, out);
+        in, p_, budget, rq, [&]() { return backend_check(in, opt.sharded); }, [&](int) { return workspace_size(in); }, out);
   }
 
   /// Enqueue the selection of one layer on be.stream with a plan of this evictor (made for
@@ -132,7 +135,53 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     // The workspace the current parameters need, never less than the plan's (host-side count):
     // a plan cannot make the kernels write past the caller's memory.
     KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, workspace_size(in))));
+    if (pl.sharded) return status::error(errc::invalid_argument, "plan was made with plan_options::sharded: call run_sharded()");
     return enqueue(pl, in, out, workspace, maybe_scores);
+  }
+
+  /// run() for a layer whose KV heads are split over the ranks of `comm` (tensor parallelism;
+  /// docs/distributed.md), with the CPU backend's protocol and guarantees (evictor<Policy,
+  /// cpu::backend>::run_sharded): every rank of the group calls it for the same layer with a plan
+  /// made with plan_options::sharded, its own heads (in: kv_heads = shard.num_heads) and the same
+  /// budget and policy parameters; every rank's selection equals the single-device selection of
+  /// its heads, and any rank's error is returned on every rank, none left waiting, nothing
+  /// written. Device pointers as for run(); `sh.heads` and `stats` are host memory.
+  ///
+  /// Unlike run(), it SYNCHRONISES be.stream (the exchange runs on the host, between the stages):
+  /// after the plans (their lengths, the NaN scan and the page-table checks are read back, so a
+  /// data error is known before the first round), and for AdaKV / CriticalAdaKV after smoothing
+  /// (the smoothed scores, rows x seq fp32, are copied to the host for the radix select). The
+  /// selection is then enqueued and the call returns; it cannot be captured in a CUDA graph.
+  /// LKV-H's whole-model allocation runs on the host over the gathered plans, on the device
+  /// ratios copied back (the CPU's own code: budgets bit-identical). comm: host buffers (MPI,
+  /// gloo) or device buffers (memory_space::device, NCCL): the latter are staged through one
+  /// device buffer of a few KiB allocated with cudaMallocAsync on be.stream before the first
+  /// round (cuda::detail::staged_communicator). Host memory: O(batch * global rows), plus the
+  /// scores for score-driven budgeters. Errors of the communicator itself (null, bad rank or
+  /// size) and a failed staging allocation are returned at once, as failed collectives are.
+  template <class T>
+  status run_sharded(const eviction_plan& pl, const layer_inputs<T>& in, distributed::communicator* comm, const distributed::shard& sh,
+                     selection_view out, void* workspace, std::size_t workspace_bytes, float* maybe_scores = nullptr,
+                     distributed::exchange_stats* stats = nullptr) const {
+    if (!comm) return status::error(errc::null_pointer, "communicator is null");
+    if (comm->size() < 1 || comm->rank() < 0 || comm->rank() >= comm->size())
+      return status::error(errc::invalid_argument, "communicator rank() = %d, size() = %d", comm->rank(), comm->size());
+    if constexpr (!sharded_supported) {
+      (void)pl, (void)in, (void)sh, (void)out, (void)workspace, (void)workspace_bytes, (void)maybe_scores, (void)stats;
+      return status::error(errc::not_supported, "budgeter %s has no sharded allocation on the CUDA backend (docs/distributed.md)",
+                           Budgeter::name);
+    } else {
+      cuda::detail::staged_communicator staged(comm, be_.stream);
+      distributed::communicator* hc = comm;
+      if (comm->space() == distributed::memory_space::device) {
+        const std::int64_t m = cuda::detail::exchange_max_values(in.batch(), sh.global_kv_heads, std::max<std::int64_t>(1, out_heads(in) / std::max<std::int64_t>(1, in.kv_heads())), comm->size());
+        // a property of the call's shapes: a rank that cannot size its staging cannot take part
+        if (m < 0) return status::error(errc::not_supported, "run_sharded: the exchange's messages are too large to stage");
+        KVEVICT_TRY(staged.reserve(m));
+        hc = &staged;
+      }
+      return sharded_impl(pl, in, hc, sh, out, workspace, workspace_bytes, maybe_scores, stats);
+    }
   }
 
   /// Bytes of device workspace run() needs for these shapes (independent of the data and the
@@ -198,7 +247,11 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
 
   /// The backend's limits and each stage implementation's plan-time checks.
   template <class T>
-  status backend_check(const layer_inputs<T>& in) const {
+  status backend_check(const layer_inputs<T>& in, bool sharded) const {
+    if (sharded && !sharded_supported)
+      return status::error(errc::not_supported, "plan_options.sharded: budgeter %s has no sharded allocation on the CUDA backend "
+                           "(score-driven budgeters need apportion_budgets, whole-layer ones the sharded hooks of their budgeter_impl)",
+                           Budgeter::name);
     if constexpr (has_scores) {
       if (in.paged() && !scorer_i::reads_pages)
         return status::error(errc::not_supported,
@@ -215,7 +268,11 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
       return status::error(errc::not_supported, "window = %lld is too large", static_cast<long long>(in.window()));
     KVEVICT_TRY(scorer_i::check(p_.scorer, in));
     KVEVICT_TRY(spatial_i::check(p_.spatial, in));
-    KVEVICT_TRY(budgeter_i::check(p_.budgeter, in));
+    if constexpr (kind == kvevict::detail::budget_kind::whole_layer && sharded_supported) {
+      KVEVICT_TRY(sharded ? budgeter_i::check_sharded(p_.budgeter, in) : budgeter_i::check(p_.budgeter, in));
+    } else {
+      KVEVICT_TRY(budgeter_i::check(p_.budgeter, in));
+    }
     KVEVICT_TRY(selector_i::check(p_.selector, in));
     return {};
   }
@@ -253,19 +310,46 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     return bf;
   }
 
+  /// What the stages of one call share: the shapes and the workspace's buffers; after
+  /// enqueue_scores, the final (smoothed) score rows.
+  struct layer_run {
+    cuda::layer_shape sh;
+    buffers bf;
+    const float* fin = nullptr;
+  };
+
+  template <class T>
+  layer_run carve_run(const layer_inputs<T>& in, void* workspace) const {
+    layer_run r;
+    r.sh = shape_of(in);
+    kvevict::detail::workspace_carver c(align_up(workspace));
+    r.bf = carve_all(c, r.sh);
+    return r;
+  }
+
   /// The launches of one layer, in stage order (the stage events of cuda::backend between them).
   template <class T>
   status enqueue(const eviction_plan& pl, const layer_inputs<T>& in, selection_view out, void* workspace, float* maybe_scores) const {
+    layer_run lr = carve_run(in, workspace);
+    KVEVICT_TRY(enqueue_plans(pl, in, lr, false));
+    KVEVICT_TRY(enqueue_scores(in, lr));
+    KVEVICT_TRY(enqueue_score_budgets(lr));
+    return enqueue_selection(in, out, lr, maybe_scores);
+  }
+
+  /// Stages 0-1: the page table's check, the plan kernel (lengths, plans, score-free budgets,
+  /// "needs scoring" flags; sharded: whole-layer budgets are left to the host), the NaN scans.
+  template <class T>
+  status enqueue_plans(const eviction_plan& pl, const layer_inputs<T>& in, const layer_run& lr, bool sharded) const {
     using namespace cuda::detail;
     const cudaStream_t st = be_.stream;
-    const cuda::layer_shape sh = shape_of(in);
-    kvevict::detail::workspace_carver c(align_up(workspace));
-    const buffers bf = carve_all(c, sh);
-    const cuda::plan_buffers pb = bf.plan_view();
+    const cuda::layer_shape& sh = lr.sh;
+    const buffers& bf = lr.bf;
     const int B = sh.B, Hkv = sh.Hkv, H = sh.H, Gq = sh.Gq, Gout = sh.Gout;
-    const std::int64_t S = sh.S, rows = sh.rows;
+    const std::int64_t S = sh.S;
     const int layer_mean = p_.gqa == gqa_reduction::layer_mean ? 1 : 0;
     const unsigned T256 = block_threads;
+    (void)Gq;
 
     record(0);
     KVEVICT_CUDA_TRY(cudaMemsetAsync(bf.status, 0, sizeof(cuda::device_status), st));
@@ -287,6 +371,7 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     ps.layer = sh.layer;
     ps.num_layers = sh.num_layers;
     ps.layer_mean = layer_mean;
+    ps.sharded = sharded ? 1 : 0;
     plan_kernel<Budgeter, budgeter_i, has_scores, typename Selector::params><<<B, T256, 0, st>>>(
         lens, in.paged() ? in.pages.protected_prefix : nullptr, ps, pl.budget, p_.selector, p_.budgeter, bf.status, bf.len_kv, bf.plankv, bf.needkv, bf.plans, bf.budgets, bf.need,
         bf.bu);
@@ -318,6 +403,23 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
       }
     }
     record(1);
+    return {};
+  }
+
+  /// Stages 2-3: scoring into per-query-head rows, the GQA reduction and smoothing; lr.fin is
+  /// then the final score rows [rows][S].
+  template <class T>
+  status enqueue_scores(const layer_inputs<T>& in, layer_run& lr) const {
+    using namespace cuda::detail;
+    const cudaStream_t st = be_.stream;
+    const cuda::layer_shape& sh = lr.sh;
+    const buffers& bf = lr.bf;
+    const cuda::plan_buffers pb = bf.plan_view();
+    const int B = sh.B, Hkv = sh.Hkv, H = sh.H, Gq = sh.Gq, Gout = sh.Gout;
+    const std::int64_t S = sh.S, rows = sh.rows;
+    const int layer_mean = p_.gqa == gqa_reduction::layer_mean ? 1 : 0;
+    const unsigned T256 = block_threads;
+    (void)in, (void)st, (void)pb, (void)B, (void)Hkv, (void)H, (void)Gq, (void)Gout, (void)S, (void)rows, (void)layer_mean, (void)T256;
 
     // 2. scoring into per-query-head rows
     if constexpr (has_scores) {
@@ -336,7 +438,6 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     record(2);
 
     // 3. GQA reduction and smoothing
-    const float* fin = nullptr;
     if constexpr (has_scores) {
       float* scores = bf.grows;
       if (Gout != Gq) {
@@ -359,22 +460,38 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
       sj.scores = scores;
       sj.drift = bf.drift;
       sj.stream = st;
-      KVEVICT_TRY(spatial_i::smooth(p_.spatial, sj, bf.sp, &fin));
+      KVEVICT_TRY(spatial_i::smooth(p_.spatial, sj, bf.sp, &lr.fin));
     }
     record(3);
+    return {};
+  }
 
-    // 4. score-driven budgets
+  /// Stage 4: score-driven budgets on the device (the budgeter's implementation).
+  status enqueue_score_budgets(const layer_run& lr) const {
     if constexpr (kind == kvevict::detail::budget_kind::score_driven) {
       cuda::budget_job bj;
-      bj.sh = sh;
-      bj.pb = pb;
-      bj.scores = fin;
-      bj.budgets = bf.budgets;
-      bj.stream = st;
-      KVEVICT_TRY(budgeter_i::score_budgets(p_.budgeter, bj, bf.bu));
+      bj.sh = lr.sh;
+      bj.pb = lr.bf.plan_view();
+      bj.scores = lr.fin;
+      bj.budgets = lr.bf.budgets;
+      bj.stream = be_.stream;
+      KVEVICT_TRY(budgeter_i::score_budgets(p_.budgeter, bj, lr.bf.bu));
     }
     record(4);
+    return {};
+  }
 
+  /// Stage 5: CSR offsets (CUB scan), selection, positions, exported scores.
+  template <class T>
+  status enqueue_selection(const layer_inputs<T>& in, selection_view out, const layer_run& lr, float* maybe_scores) const {
+    using namespace cuda::detail;
+    const cudaStream_t st = be_.stream;
+    const cuda::layer_shape& sh = lr.sh;
+    const buffers& bf = lr.bf;
+    const cuda::plan_buffers pb = bf.plan_view();
+    const std::int64_t S = sh.S, rows = sh.rows;
+    const unsigned T256 = block_threads;
+    const float* fin = lr.fin;
     // 5. CSR offsets (CUB scan), selection, positions, exported scores
     counts_kernel<<<ceil_div(rows, T256), T256, 0, st>>>(bf.plans, bf.budgets, rows, bf.cnt);
     KVEVICT_CUDA_CHECK_LAUNCH();
@@ -398,6 +515,140 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     }
     record(5);
     return {};
+  }
+
+  // run_sharded's requirements: per-head budgeters need nothing more; score-driven ones a
+  // host-device apportion_budgets (run over the global rows on the host); whole-layer ones the
+  // sharded hooks of their CUDA implementation (check_sharded, sharded_begin,
+  // sharded_layer_budgets: budgeters::headwise_learned has them).
+  template <class Bu, class = void>
+  struct has_apportion : std::false_type {};
+  template <class Bu>
+  struct has_apportion<Bu, std::void_t<decltype(&Bu::template apportion_budgets<std::int64_t>)>> : std::true_type {};
+  template <class Bi, class = void>
+  struct has_sharded_hooks : std::false_type {};
+  template <class Bi>
+  struct has_sharded_hooks<Bi, std::void_t<typename Bi::sharded_tables, decltype(&Bi::sharded_begin), decltype(&Bi::sharded_layer_budgets)>>
+      : std::true_type {};
+  static constexpr bool sharded_supported =
+      kind == kvevict::detail::budget_kind::per_head ||
+      (kind == kvevict::detail::budget_kind::score_driven && has_apportion<Budgeter>::value) ||
+      (kind == kvevict::detail::budget_kind::whole_layer && has_sharded_hooks<budgeter_i>::value);
+  template <class Bi, bool = has_sharded_hooks<Bi>::value>
+  struct sharded_tables_of {
+    struct type {};
+  };
+  template <class Bi>
+  struct sharded_tables_of<Bi, true> {
+    using type = typename Bi::sharded_tables;
+  };
+
+  /// run_sharded after the communicator is set up (comm takes host buffers). The CPU driver's
+  /// sequence (backends/cpu/evictor.hpp run_impl): local checks and stages 0-1, one
+  /// synchronisation, round 1-2 (agree), the budgets over the global rows on the host, stages
+  /// 2-3, for score-driven budgeters a second synchronisation and rounds 3-7, the last round,
+  /// then the selection. Errors before agree() travel in round 1; errors after it (a failed
+  /// launch or copy, a device check) travel in the last round: every rank calls the same
+  /// collectives whatever happens on it.
+  template <class T>
+  status sharded_impl(const eviction_plan& pl, const layer_inputs<T>& in, distributed::communicator* comm, const distributed::shard& sh,
+                      selection_view out, void* workspace, std::size_t workspace_bytes, float* maybe_scores,
+                      distributed::exchange_stats* stats) const {
+    using kvevict::detail::head_plan;
+    const cudaStream_t st = be_.stream;
+    distributed::detail::layer_exchange ex(comm, sh, stats);
+    const std::int64_t B = in.batch(), Hkv = in.kv_heads(), H = out_heads(in), S = in.capacity();
+    const std::int64_t Gout = Hkv > 0 ? H / Hkv : 1, rows = B * H;
+    std::uint64_t fp = distributed::detail::policy_fingerprint<Policy>(p_, pl.budget);
+    typename sharded_tables_of<budgeter_i>::type tables;
+    std::vector<head_plan> plans;
+    std::vector<std::int64_t> budgets;
+    std::vector<std::uint8_t> need;
+    layer_run lr;
+    // Checks and stages 0-1, read back: this rank's status in round 1.
+    const status local = [&]() -> status {
+      if (!pl.sharded) return status::error(errc::invalid_argument, "run_sharded() needs a plan made with plan_options::sharded");
+      KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, workspace_size(in))));
+      KVEVICT_TRY(distributed::detail::layer_exchange::check_local(sh, Hkv));
+      if constexpr (kind == kvevict::detail::budget_kind::whole_layer) KVEVICT_TRY(budgeter_i::sharded_begin(p_.budgeter, sh, st, &tables, &fp));
+      lr = carve_run(in, workspace);
+      KVEVICT_TRY(enqueue_plans(pl, in, lr, true));
+      plans.resize(static_cast<std::size_t>(rows));
+      budgets.resize(static_cast<std::size_t>(rows));
+      need.resize(static_cast<std::size_t>(rows));
+      cuda::device_status ds{};
+      KVEVICT_CUDA_TRY(cudaMemcpyAsync(plans.data(), lr.bf.plans, plans.size() * sizeof(head_plan), cudaMemcpyDeviceToHost, st));
+      KVEVICT_CUDA_TRY(cudaMemcpyAsync(budgets.data(), lr.bf.budgets, budgets.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, st));
+      KVEVICT_CUDA_TRY(cudaMemcpyAsync(need.data(), lr.bf.need, need.size(), cudaMemcpyDeviceToHost, st));
+      KVEVICT_CUDA_TRY(cudaMemcpyAsync(&ds, lr.bf.status, sizeof ds, cudaMemcpyDeviceToHost, st));
+      KVEVICT_CUDA_TRY(cudaStreamSynchronize(st));
+      return cuda::to_status(ds);  // lengths, page table, NaN/inf
+    }();
+    KVEVICT_TRY(ex.agree(local, B, Gout, in.layer_idx, in.num_layers, fp, plans.data()));
+    // After agree() every rank calls the remaining collectives; `late` is this rank's status.
+    status late;
+    if constexpr (kind == kvevict::detail::budget_kind::whole_layer) {
+      // the whole-layer allocation over every rank's rows (the same on every rank); this rank's slice
+      late = distributed::detail::local_layer_budgets(
+          ex, B, H,
+          [&](std::int64_t, const head_plan* gp, std::int64_t Hg, std::int64_t* gb) {
+            return budgeter_i::sharded_layer_budgets(p_.budgeter, tables, pl.budget, gp, Hg, in.layer_idx, gb);
+          },
+          budgets.data());
+      if (late.ok()) {
+        std::vector<std::uint8_t> needkv(static_cast<std::size_t>(B * Hkv), 0);
+        for (std::int64_t b = 0; b < B; ++b) front::need_flags(p_, plans.data() + b * H, budgets.data() + b * H, H, need.data() + b * H);
+        for (std::int64_t r = 0; r < rows; ++r) needkv[static_cast<std::size_t>(r / Gout)] |= need[static_cast<std::size_t>(r)];
+        late = [&]() -> status {
+          KVEVICT_CUDA_TRY(cudaMemcpyAsync(lr.bf.budgets, budgets.data(), budgets.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice, st));
+          KVEVICT_CUDA_TRY(cudaMemcpyAsync(lr.bf.need, need.data(), need.size(), cudaMemcpyHostToDevice, st));
+          KVEVICT_CUDA_TRY(cudaMemcpyAsync(lr.bf.needkv, needkv.data(), needkv.size(), cudaMemcpyHostToDevice, st));
+          // the host vectors are read by the copies: wait for them before they go out of scope
+          KVEVICT_CUDA_TRY(cudaStreamSynchronize(st));
+          return {};
+        }();
+      }
+    }
+    if (late.ok()) late = enqueue_scores(in, lr);
+    if constexpr (kind == kvevict::detail::budget_kind::score_driven) {
+      // the smoothed scores to the host, the global winners (rounds 3-7), this rank's slice
+      std::vector<float> scores(static_cast<std::size_t>(rows * S), 0.0f);
+      if (late.ok()) {
+        late = [&]() -> status {
+          cuda::device_status ds{};
+          if (rows * S > 0)
+            KVEVICT_CUDA_TRY(cudaMemcpyAsync(scores.data(), lr.fin, scores.size() * sizeof(float), cudaMemcpyDeviceToHost, st));
+          KVEVICT_CUDA_TRY(cudaMemcpyAsync(&ds, lr.bf.status, sizeof ds, cudaMemcpyDeviceToHost, st));
+          KVEVICT_CUDA_TRY(cudaStreamSynchronize(st));
+          return cuda::to_status(ds);
+        }();
+      }
+      std::vector<const float*> rowptr(static_cast<std::size_t>(rows), nullptr);
+      for (std::int64_t r = 0; r < rows; ++r)
+        if (late.ok() && need[static_cast<std::size_t>(r)]) rowptr[static_cast<std::size_t>(r)] = scores.data() + r * S;
+      KVEVICT_TRY(distributed::detail::local_score_budgets<Budgeter>(ex, p_.budgeter, rowptr.data(), B, H, budgets.data()));  // collectives
+      if (late.ok()) {
+        late = [&]() -> status {
+          KVEVICT_CUDA_TRY(cudaMemcpyAsync(lr.bf.budgets, budgets.data(), budgets.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice, st));
+          KVEVICT_CUDA_TRY(cudaStreamSynchronize(st));
+          return {};
+        }();
+      }
+    }
+    record(4);
+    // capacity (the device's count, computed from the same plans and budgets), then the last round
+    status fits = late;
+    if (fits.ok()) {
+      std::int64_t total = 0;
+      for (std::int64_t r = 0; r < rows; ++r) total += front::kept(plans[static_cast<std::size_t>(r)], budgets[static_cast<std::size_t>(r)]);
+      if (total > 0x7fffffff)
+        fits = status::error(errc::not_supported, "kept tokens = %lld exceed the int32 range of selection.indptr", static_cast<long long>(total));
+      else if (total > out.capacity)
+        fits = status::error(errc::insufficient_capacity, "selection.capacity = %lld < kept tokens = %lld (use max_selected())",
+                             static_cast<long long>(out.capacity), static_cast<long long>(total));
+    }
+    KVEVICT_TRY(ex.finish(fits));  // every rank writes, or none
+    return enqueue_selection(in, out, lr, maybe_scores);
   }
 
   using api_base::p_;

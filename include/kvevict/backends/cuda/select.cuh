@@ -34,6 +34,7 @@ struct plan_shape {
   std::int64_t S = 0, W = 0;
   int layer = 0, num_layers = 1;
   int layer_mean = 0;
+  int sharded = 0;  ///< run_sharded: whole-layer budgets wait for the exchange (the host sets them)
 };
 
 /// detail::apportion (core/apportion.hpp) by a team of threads, bit for bit: the floor pass is
@@ -237,8 +238,10 @@ __global__ void plan_kernel(lengths_view lens, const std::int32_t* prefix, plan_
     // The front-end's rule (whole-layer: the length, set below once the sequence's plans are known).
     kvevict::detail::initial_row_budget<Budgeter>(bp, pl, sh.layer, sh.num_layers, HasScores, budgets + r, need + r);
   }
-  if constexpr (kind == budget_kind::whole_layer)
-    BudgeterImpl::sequence_budgets(b, sh, req, bp, HasScores, plans, budgets, need, st, bs);  // synchronises first
+  if constexpr (kind == budget_kind::whole_layer) {
+    // sharded: the allocation is over every rank's rows; the host sets budgets and flags after the exchange
+    if (!sh.sharded) BudgeterImpl::sequence_budgets(b, sh, req, bp, HasScores, plans, budgets, need, st, bs);  // synchronises first
+  }
   __syncthreads();
   if (sh.layer_mean && threadIdx.x == 0) {
     std::uint8_t any = 0;

@@ -9,10 +9,13 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "kvevict/backends/cuda/backend.cuh"
 #include "kvevict/backends/cuda/impl.cuh"
 #include "kvevict/backends/cuda/select.cuh"
+#include "kvevict/distributed/communicator.hpp"
+#include "kvevict/distributed/exchange.hpp"
 #include "kvevict/policies/learned.hpp"
 
 namespace kvevict {
@@ -57,6 +60,73 @@ struct budgeter_impl<budgeters::headwise_learned> : budgeter_impl_base {
     const std::int64_t t = p.num_tokens > in.capacity() ? p.num_tokens : in.capacity();
     if (static_cast<std::int64_t>(p.num_layers) * p.kv_heads > (std::int64_t{1} << 40) / (t > 0 ? t : 1))
       return status::error(errc::not_supported, "num_layers * kv_heads * t is too large for the budget arithmetic");
+    return {};
+  }
+
+  /// check() for plan_options::sharded: the table is the whole model's (kv_heads = the shard's
+  /// global count, which run_sharded checks), so it must hold at least this rank's heads.
+  template <class T>
+  static status check_sharded(const Budgeter::params& p, const layer_inputs<T>& in) {
+    if (!p.on_device)
+      return status::error(errc::invalid_argument,
+                           "budgeter.on_device = false: the CUDA backend needs the LKV tables in device memory (cuda::lkv_device_tables)");
+    if (in.num_layers != p.num_layers || in.kv_heads() > p.kv_heads)
+      return status::error(errc::shape_mismatch,
+                           "budgeter table (num_layers = %d, kv_heads = %d) does not cover the layer inputs (num_layers = %d, local "
+                           "kv_heads = %lld): a sharded LKV-H keeps the whole model's table",
+                           p.num_layers, p.kv_heads, in.num_layers, static_cast<long long>(in.kv_heads()));
+    const std::int64_t t = p.num_tokens > in.capacity() ? p.num_tokens : in.capacity();
+    if (static_cast<std::int64_t>(p.num_layers) * p.kv_heads > (std::int64_t{1} << 40) / (t > 0 ? t : 1))
+      return status::error(errc::not_supported, "num_layers * kv_heads * t is too large for the budget arithmetic");
+    return {};
+  }
+
+  /// run_sharded's host side (docs/distributed.md). The whole-model allocation runs on the host,
+  /// over the gathered plans of every rank's rows, with the CPU's own code (layer_slice) on the
+  /// device ratios copied back once per call: budgets are bit-identical to one device's.
+  struct sharded_tables {
+    std::vector<double> ratios;  ///< (num_layers * kv_heads) r = softmax(logits / temperature)
+  };
+  /// Copy the ratios to the host (synchronises `stream`) and fold them into the fingerprint the
+  /// ranks compare (ranks that uploaded different artifacts are refused). Errors: a table that is
+  /// not the whole layer's (kv_heads != shard.global_kv_heads), a failed copy.
+  static status sharded_begin(const Budgeter::params& p, const distributed::shard& sh, cudaStream_t stream, sharded_tables* t,
+                              std::uint64_t* fingerprint) {
+    if (p.kv_heads != sh.global_kv_heads)
+      return status::error(errc::shape_mismatch,
+                           "budgeter table kv_heads = %d != shard.global_kv_heads = %d (LKV-H's table is the whole model's)", p.kv_heads,
+                           sh.global_kv_heads);
+    const std::int64_t n = static_cast<std::int64_t>(p.num_layers) * p.kv_heads;
+    t->ratios.assign(static_cast<std::size_t>(n), 0.0);
+    KVEVICT_CUDA_TRY(cudaMemcpyAsync(t->ratios.data(), p.ratios, static_cast<std::size_t>(n) * sizeof(double), cudaMemcpyDeviceToHost,
+                                     stream));
+    KVEVICT_CUDA_TRY(cudaStreamSynchronize(stream));
+    *fingerprint = distributed::detail::fnv1a(*fingerprint, t->ratios.data(), static_cast<std::size_t>(n) * sizeof(double));
+    return {};
+  }
+  /// One sequence's budgets over its `rows` global rows (global head plans), as
+  /// headwise_learned::layer_budgets computes them on the CPU.
+  static status sharded_layer_budgets(const Budgeter::params& p, const sharded_tables& t, const budget_request& req,
+                                      const kvevict::detail::head_plan* plans, std::int64_t rows, int layer, std::int64_t* budgets) {
+    if (rows < 1 || rows % p.kv_heads != 0)
+      return status::error(errc::invalid_argument, "rows = %lld is not a positive multiple of kv_heads = %d", static_cast<long long>(rows),
+                           p.kv_heads);
+    const std::size_t n = t.ratios.size();
+    std::vector<double> share(n);
+    std::vector<std::int64_t> capv(n), all(n);
+    std::vector<unsigned char> clipped(n);
+    kvevict::detail::lkv_fill_scratch s;
+    s.share = share.data();
+    s.capv = capv.data();
+    s.clipped = clipped.data();
+    std::int64_t bad[3] = {0, 0, 0};
+    const int rc = Budgeter::layer_slice(p, t.ratios.data(), req, plans, rows, layer, budgets, all.data(), s, bad);
+    if (rc == Budgeter::slice_unequal_lengths)
+      return status::error(errc::invalid_argument, "headwise_learned: head lengths differ (%lld vs %lld) in layer %d; set budgeter.num_tokens",
+                           static_cast<long long>(bad[1]), static_cast<long long>(bad[2]), layer);
+    if (rc == Budgeter::slice_cannot_apportion)
+      return status::error(errc::invalid_argument, "headwise_learned: cannot apportion total = %lld over %lld heads of t = %lld",
+                           static_cast<long long>(bad[0]), static_cast<long long>(bad[1]), static_cast<long long>(bad[2]));
     return {};
   }
 
