@@ -305,6 +305,22 @@ TEST_CASE("paged: rows that start inside their first page (pages.start_offset) e
   }
 }
 
+/// A problem's K and V left-padded in [batch][kv_heads][cap][d] fp32 buffers (HND): sequence b's
+/// tokens start at slot pad[b], the slots before hold NaN (never read).
+void left_padded(const kvtest::problem& p, const std::int32_t* pad, std::vector<float>* kbuf, std::vector<float>* vbuf) {
+  const std::int64_t B = p.s.batch, H = p.s.kv_heads, S = p.s.cap, d = p.s.d;
+  kbuf->assign(static_cast<std::size_t>(B * H * S * d), std::nanf(""));
+  vbuf->assign(kbuf->size(), std::nanf(""));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < S - pad[b]; ++t)
+        for (std::int64_t c = 0; c < d; ++c) {
+          const std::size_t o = static_cast<std::size_t>(((b * H + h) * S + pad[b] + t) * d + c);
+          (*kbuf)[o] = static_cast<float>(p.K[p.kv_idx(b, h, t, c)]);
+          (*vbuf)[o] = static_cast<float>(p.V[p.kv_idx(b, h, t, c)]);
+        }
+}
+
 TEST_CASE("paged: a left-padded contiguous batch (HF-style) read in place as one page per sequence with start_offset") {
   // reference: sequences of 50 and 43 (and 31) tokens, contiguous HND with lengths
   kvtest::shape sh;
@@ -314,15 +330,9 @@ TEST_CASE("paged: a left-padded contiguous batch (HF-style) read in place as one
   kvtest::store(p, kvtest::layout::hnd, st);
   // the same batch left-padded in one [3][2][50][8] buffer: sequence b starts at slot pad[b], NaN before
   const std::int64_t B = 3, H = 2, S = 50, d = 8;
-  std::vector<float> kbuf(static_cast<std::size_t>(B * H * S * d), std::nanf("")), vbuf(kbuf.size(), std::nanf(""));
   const std::int32_t pad[3] = {0, 7, 19};
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t = 0; t < S - pad[b]; ++t)
-        for (std::int64_t c = 0; c < d; ++c) {
-          kbuf[static_cast<std::size_t>(((b * H + h) * S + pad[b] + t) * d + c)] = static_cast<float>(p.K[p.kv_idx(b, h, t, c)]);
-          vbuf[static_cast<std::size_t>(((b * H + h) * S + pad[b] + t) * d + c)] = static_cast<float>(p.V[p.kv_idx(b, h, t, c)]);
-        }
+  std::vector<float> kbuf, vbuf;
+  left_padded(p, pad, &kbuf, &vbuf);
   // the buffer is a pool of B pages of page_size S (HND), one page per sequence, its row starting at pad[b]
   const std::vector<std::int32_t> indptr = {0, 1, 2, 3}, indices = {0, 1, 2}, last = {50, 50, 50};
   const std::vector<std::int32_t> start(pad, pad + 3);
@@ -406,15 +416,9 @@ TEST_CASE("paged: a left-padded batch through a token-slot table (docs/integrati
   kvtest::store(p, kvtest::layout::hnd, st);
   // the same batch left-padded: sequence 1 starts at slot 7 of a [2][2][50][8] buffer, NaN padding
   const std::int64_t B = 2, H = 2, S = 50, d = 8;
-  std::vector<float> kbuf(static_cast<std::size_t>(B * H * S * d), std::nanf("")), vbuf(kbuf.size(), std::nanf(""));
-  const std::int64_t pad[2] = {0, 7};
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t = 0; t < S - pad[b]; ++t)
-        for (std::int64_t c = 0; c < d; ++c) {
-          kbuf[static_cast<std::size_t>(((b * H + h) * S + pad[b] + t) * d + c)] = static_cast<float>(p.K[p.kv_idx(b, h, t, c)]);
-          vbuf[static_cast<std::size_t>(((b * H + h) * S + pad[b] + t) * d + c)] = static_cast<float>(p.V[p.kv_idx(b, h, t, c)]);
-        }
+  const std::int32_t pad[2] = {0, 7};
+  std::vector<float> kbuf, vbuf;
+  left_padded(p, pad, &kbuf, &vbuf);
   std::vector<std::int32_t> indptr(1, 0), indices, last;
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < H; ++h) {

@@ -2913,6 +2913,7 @@ std::vector<sharded_rank<T>> gpu_run_sharded(const host_case<T>& c, const std::v
   std::vector<kv::eviction_plan> plans(static_cast<std::size_t>(ranks));
   std::vector<kv::layer_inputs<T>> ins(static_cast<std::size_t>(ranks));
   std::vector<std::int64_t> caps(static_cast<std::size_t>(ranks));
+  std::vector<typename P::params> params;  // built here: params_of may assert (never inside a rank thread)
   for (int r = 0; r < ranks; ++r) {
     auto& x = rs[static_cast<std::size_t>(r)];
     x.heads = heads[static_cast<std::size_t>(r)];
@@ -2925,7 +2926,8 @@ std::vector<sharded_rank<T>> gpu_run_sharded(const host_case<T>& c, const std::v
     x.lens.reset(new dbuf<std::int32_t>(x.part.lens));
     x.pos.reset(new dbuf<std::int32_t>(x.part.pos));
     ins[static_cast<std::size_t>(r)] = x.part.views(x.k->p, x.v->p, x.q->p, x.wo->p, x.lens->p, x.pos->p);
-    kv::evictor<P, kv::cuda::backend> ev(params_of(r, x.heads));
+    params.push_back(params_of(r, x.heads));
+    kv::evictor<P, kv::cuda::backend> ev(params.back());
     const std::vector<std::int32_t> hl = host_lengths_of(x.part);
     kv::plan_options opt;
     opt.host_lengths = hl.data();
@@ -2940,6 +2942,7 @@ std::vector<sharded_rank<T>> gpu_run_sharded(const host_case<T>& c, const std::v
     x.ws.reset(new dbuf<unsigned char>(pl.workspace_bytes));
     CUDA_OK(cudaMemset(x.indptr->p, 0xff, x.indptr->n * sizeof(std::int32_t)));
   }
+  CUDA_OK(cudaDeviceSynchronize());  // the copies and the memset above, before the ranks' non-blocking streams
   kvevict_test::thread_group group(ranks);
   kvevict_test::run_ranks(ranks, [&](int r) {
     auto& x = rs[static_cast<std::size_t>(r)];
@@ -2949,7 +2952,7 @@ std::vector<sharded_rank<T>> gpu_run_sharded(const host_case<T>& c, const std::v
     kv::cuda::backend be;
     be.stream = s;
     // The evictor is rebuilt with the rank's stream: its plan is then another object's, so plan again.
-    kv::evictor<P, kv::cuda::backend> ev(params_of(r, x.heads), be);
+    kv::evictor<P, kv::cuda::backend> ev(params[static_cast<std::size_t>(r)], be);
     const std::vector<std::int32_t> hl = host_lengths_of(x.part);
     kv::plan_options opt;
     opt.host_lengths = hl.data();

@@ -86,15 +86,22 @@ inline status scan_finite_paged(const layer_inputs<T>& in, const kv_view<const T
   for (std::int64_t b = 0; b < in.batch(); ++b)
     for (std::int64_t h = 0; h < in.kv_heads(); ++h) {
       const row_source<T> rs = head_rows(in, v, b, h);
-      for (std::int64_t s = 0, L = in.length(b, h); s < L; ++s) {
-        const T* row = rs.row_ptr(s);
-        if (rs.col_stride == 1 && row_finite(row, v.extent[3])) continue;
-        for (std::int64_t c = 0; c < v.extent[3]; ++c)
-          if (!is_finite_value(row[c * rs.col_stride]))
-            return status::error(errc::non_finite_input, "%s(b=%lld, h=%lld, s=%lld, d=%lld) = %g (page %d) is not finite", name,
-                                 static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(s),
-                                 static_cast<long long>(c), static_cast<double>(to_float(row[c * rs.col_stride])),
-                                 rs.pages[(s + rs.page_offset) / rs.page_size]);
+      // page by page: one page lookup per run of rows, not one division per row
+      for (std::int64_t s0 = 0, L = in.length(b, h); s0 < L;) {
+        const std::int64_t run = std::min(L - s0, rs.page_size - (s0 + rs.page_offset) % rs.page_size);
+        const T* first = rs.row_ptr(s0);
+        for (std::int64_t i = 0; i < run; ++i) {
+          const T* row = first + i * rs.row_stride;
+          if (rs.col_stride == 1 && row_finite(row, v.extent[3])) continue;
+          const std::int64_t s = s0 + i;
+          for (std::int64_t c = 0; c < v.extent[3]; ++c)
+            if (!is_finite_value(row[c * rs.col_stride]))
+              return status::error(errc::non_finite_input, "%s(b=%lld, h=%lld, s=%lld, d=%lld) = %g (page %d) is not finite", name,
+                                   static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(s),
+                                   static_cast<long long>(c), static_cast<double>(to_float(row[c * rs.col_stride])),
+                                   rs.pages[(s + rs.page_offset) / rs.page_size]);
+        }
+        s0 += run;
       }
     }
   return {};

@@ -4,7 +4,8 @@
 // through the CUDA implementation traits (backends/cuda/impl.cuh) on one stream and adds only
 // what the device needs: the workspace layout, the plan kernel (lengths and budgets on the
 // device), the NaN scans, the GQA reduction, the CSR offsets. It names no scorer, smoother or
-// budgeter type. No allocation, no host synchronisation, graph-capturable (docs/cuda.md).
+// budgeter type. run(): no allocation, no host synchronisation, graph-capturable (docs/cuda.md);
+// run_sharded() synchronises for its host-side exchange (docs/distributed.md).
 #pragma once
 
 #include <cstddef>
@@ -147,18 +148,23 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   /// its heads, and any rank's error is returned on every rank, none left waiting, nothing
   /// written. Device pointers as for run(); `sh.heads` and `stats` are host memory.
   ///
-  /// Unlike run(), it SYNCHRONISES be.stream (the exchange runs on the host, between the stages):
-  /// after the plans (their lengths, the NaN scan and the page-table checks are read back, so a
-  /// data error is known before the first round), and for AdaKV / CriticalAdaKV after smoothing
-  /// (the smoothed scores, rows x seq fp32, are copied to the host for the radix select). The
-  /// selection is then enqueued and the call returns; it cannot be captured in a CUDA graph.
-  /// LKV-H's whole-model allocation runs on the host over the gathered plans, on the device
-  /// ratios copied back (the CPU's own code: budgets bit-identical). comm: host buffers (MPI,
-  /// gloo) or device buffers (memory_space::device, NCCL): the latter are staged through one
-  /// device buffer of a few KiB allocated with cudaMallocAsync on be.stream before the first
-  /// round (cuda::detail::staged_communicator). Host memory: O(batch * global rows), plus the
-  /// scores for score-driven budgeters. Errors of the communicator itself (null, bad rank or
-  /// size) and a failed staging allocation are returned at once, as failed collectives are.
+  /// Unlike run(), it SYNCHRONISES be.stream: the exchange runs on the host, between the stages.
+  /// Per call: once after the plans (the plans, budgets and device status word are read back, so
+  /// a bad length, page table or NaN is known before round 1); for AdaKV once more after smoothing
+  /// (the smoothed scores, rows x seq fp32, are copied to the host for the radix select) and after
+  /// its budgets go back; for LKV-H once to read the device ratios and once after its budgets go
+  /// back; with a device-buffer communicator, twice per collective. The selection is then
+  /// enqueued and the call returns; it cannot be captured in a CUDA graph. LKV-H's whole-model
+  /// allocation runs on the host over the gathered plans, on the device ratios copied back (the
+  /// CPU's own code: budgets bit-identical). comm: host buffers (MPI, gloo) or device buffers
+  /// (memory_space::device, NCCL): the latter are staged through one device buffer allocated
+  /// with cudaMallocAsync on be.stream before round 1 (cuda::detail::staged_communicator;
+  /// cuda::detail::exchange_max_values int64, the largest message: batch x max(256, global KV
+  /// heads x (1 + 5 G), global rows x 2) values, a few KiB at batch 1). Host memory:
+  /// O(batch * global rows), plus the scores for AdaKV. Errors of the communicator itself (null,
+  /// bad rank or size) and a failed allocation of round 1's staging (8 + 8 x ranks values) are
+  /// returned at once, as failed collectives are; a staging size that cannot be allocated is
+  /// this rank's round-1 error.
   template <class T>
   status run_sharded(const eviction_plan& pl, const layer_inputs<T>& in, distributed::communicator* comm, const distributed::shard& sh,
                      selection_view out, void* workspace, std::size_t workspace_bytes, float* maybe_scores = nullptr,
@@ -173,14 +179,21 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     } else {
       cuda::detail::staged_communicator staged(comm, be_.stream);
       distributed::communicator* hc = comm;
+      status pre;  // a staging this rank cannot allocate: its round-1 error (round 1 itself always fits)
       if (comm->space() == distributed::memory_space::device) {
-        const std::int64_t m = cuda::detail::exchange_max_values(in.batch(), sh.global_kv_heads, std::max<std::int64_t>(1, out_heads(in) / std::max<std::int64_t>(1, in.kv_heads())), comm->size());
-        // a property of the call's shapes: a rank that cannot size its staging cannot take part
-        if (m < 0) return status::error(errc::not_supported, "run_sharded: the exchange's messages are too large to stage");
-        KVEVICT_TRY(staged.reserve(m));
+        KVEVICT_TRY(staged.reserve(8 + 8 * static_cast<std::int64_t>(comm->size())));  // round 1 and the last round
+        const std::int64_t gout = std::max<std::int64_t>(1, out_heads(in) / std::max<std::int64_t>(1, in.kv_heads()));
+        const std::int64_t m = cuda::detail::exchange_max_values(in.batch(), sh.global_kv_heads, gout, comm->size());
+        if (m < 0)
+          pre = status::error(errc::not_supported,
+                              "run_sharded: the exchange's messages (batch = %lld, shard.global_kv_heads = %d, %lld out rows per KV head, "
+                              "%d ranks) are too large to stage",
+                              static_cast<long long>(in.batch()), sh.global_kv_heads, static_cast<long long>(gout), comm->size());
+        else
+          pre = staged.reserve(m);
         hc = &staged;
       }
-      return sharded_impl(pl, in, hc, sh, out, workspace, workspace_bytes, maybe_scores, stats);
+      return sharded_impl(pl, in, hc, sh, out, workspace, workspace_bytes, maybe_scores, stats, pre);
     }
   }
 
@@ -553,7 +566,7 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   template <class T>
   status sharded_impl(const eviction_plan& pl, const layer_inputs<T>& in, distributed::communicator* comm, const distributed::shard& sh,
                       selection_view out, void* workspace, std::size_t workspace_bytes, float* maybe_scores,
-                      distributed::exchange_stats* stats) const {
+                      distributed::exchange_stats* stats, status pre) const {
     using kvevict::detail::head_plan;
     const cudaStream_t st = be_.stream;
     distributed::detail::layer_exchange ex(comm, sh, stats);
@@ -567,6 +580,7 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     layer_run lr;
     // Checks and stages 0-1, read back: this rank's status in round 1.
     const status local = [&]() -> status {
+      KVEVICT_TRY(pre);
       if (!pl.sharded) return status::error(errc::invalid_argument, "run_sharded() needs a plan made with plan_options::sharded");
       KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, workspace_size(in))));
       KVEVICT_TRY(distributed::detail::layer_exchange::check_local(sh, Hkv));

@@ -42,8 +42,8 @@ inline std::int64_t exchange_max_values(std::int64_t batch, std::int64_t global_
 /// buffer into a device buffer on `stream`, synchronises, calls the engine's collective on the
 /// device buffer (which must have completed when it returns, e.g. ncclAllReduce followed by a
 /// synchronisation of the engine's stream), then copies the result back and synchronises.
-/// reserve() allocates the buffer once (cudaMallocAsync, stream-ordered), before any round, so
-/// an allocation never fails half-way through the exchange; the destructor frees it.
+/// reserve() allocates the buffer (cudaMallocAsync, stream-ordered) before any round, so an
+/// allocation never fails half-way through the exchange; the destructor frees it.
 class staged_communicator final : public distributed::communicator {
  public:
   staged_communicator(distributed::communicator* inner, cudaStream_t stream) : inner_(inner), stream_(stream) {}
@@ -57,49 +57,51 @@ class staged_communicator final : public distributed::communicator {
   int size() const override { return inner_->size(); }
   distributed::memory_space space() const override { return distributed::memory_space::host; }
 
-  /// A device buffer of `values` int64 (no-op when it is large enough).
+  /// A device buffer of `values` int64 (no-op when it is large enough). On error the buffer held
+  /// before is kept.
   status reserve(std::int64_t values) {
     if (values <= cap_) return {};
-    if (buf_) {
-      KVEVICT_CUDA_TRY(cudaFreeAsync(buf_, stream_));
-      buf_ = nullptr;
-      cap_ = 0;
-    }
     void* p = nullptr;
     KVEVICT_CUDA_TRY(cudaMallocAsync(&p, static_cast<std::size_t>(values) * sizeof(std::int64_t), stream_));
+    if (buf_) (void)cudaFreeAsync(buf_, stream_);
     buf_ = static_cast<std::int64_t*>(p);
     cap_ = values;
     return {};
   }
 
+  // A failed copy in still enters the engine's collective (the other ranks are in it), and
+  // returns the copy's error after it. A message larger than the reservation cannot happen
+  // (run_sharded reserves the largest one before round 1); it is refused without entering.
   status all_reduce_sum(std::int64_t* data, std::int64_t count) override {
     if (count > cap_)
-      return status::error(errc::insufficient_workspace, "staged_communicator: message of %lld values > reserved %lld", static_cast<long long>(count),
-                           static_cast<long long>(cap_));
+      return status::error(errc::insufficient_workspace, "staged_communicator: message of %lld values > reserved %lld",
+                           static_cast<long long>(count), static_cast<long long>(cap_));
     const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(std::int64_t);
-    KVEVICT_CUDA_TRY(cudaMemcpyAsync(buf_, data, bytes, cudaMemcpyHostToDevice, stream_));
-    KVEVICT_CUDA_TRY(cudaStreamSynchronize(stream_));
+    const status in = copy(buf_, data, bytes, cudaMemcpyHostToDevice);
     KVEVICT_TRY(inner_->all_reduce_sum(buf_, count));
-    KVEVICT_CUDA_TRY(cudaMemcpyAsync(data, buf_, bytes, cudaMemcpyDeviceToHost, stream_));
-    KVEVICT_CUDA_TRY(cudaStreamSynchronize(stream_));
-    return {};
+    KVEVICT_TRY(in);
+    return copy(data, buf_, bytes, cudaMemcpyDeviceToHost);
   }
 
   status all_gather(const std::int64_t* send, std::int64_t count, std::int64_t* recv) override {
     const std::int64_t total = count * (1 + static_cast<std::int64_t>(size()));
     if (total > cap_)
-      return status::error(errc::insufficient_workspace, "staged_communicator: message of %lld values > reserved %lld", static_cast<long long>(total),
-                           static_cast<long long>(cap_));
+      return status::error(errc::insufficient_workspace, "staged_communicator: message of %lld values > reserved %lld",
+                           static_cast<long long>(total), static_cast<long long>(cap_));
     const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(std::int64_t);
-    KVEVICT_CUDA_TRY(cudaMemcpyAsync(buf_, send, bytes, cudaMemcpyHostToDevice, stream_));
-    KVEVICT_CUDA_TRY(cudaStreamSynchronize(stream_));
+    const status in = copy(buf_, send, bytes, cudaMemcpyHostToDevice);
     KVEVICT_TRY(inner_->all_gather(buf_, count, buf_ + count));
-    KVEVICT_CUDA_TRY(cudaMemcpyAsync(recv, buf_ + count, bytes * static_cast<std::size_t>(size()), cudaMemcpyDeviceToHost, stream_));
+    KVEVICT_TRY(in);
+    return copy(recv, buf_ + count, bytes * static_cast<std::size_t>(size()), cudaMemcpyDeviceToHost);
+  }
+
+ private:
+  status copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
+    KVEVICT_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, kind, stream_));
     KVEVICT_CUDA_TRY(cudaStreamSynchronize(stream_));
     return {};
   }
 
- private:
   distributed::communicator* inner_;
   cudaStream_t stream_;
   std::int64_t* buf_ = nullptr;
