@@ -50,27 +50,26 @@ struct budgeter_impl<budgeters::headwise_learned> : budgeter_impl_base {
   /// The tables live on the device and match the layer; the budget arithmetic stays in range.
   template <class T>
   static status check(const Budgeter::params& p, const layer_inputs<T>& in) {
-    if (!p.on_device)
-      return status::error(errc::invalid_argument,
-                           "budgeter.on_device = false: the CUDA backend needs the LKV tables in device memory (cuda::lkv_device_tables)");
-    if (in.num_layers != p.num_layers || in.kv_heads() != p.kv_heads)
-      return status::error(errc::shape_mismatch,
-                           "budgeter table (num_layers = %d, kv_heads = %d) != layer inputs (num_layers = %d, kv_heads = %lld)",
-                           p.num_layers, p.kv_heads, in.num_layers, static_cast<long long>(in.kv_heads()));
-    const std::int64_t t = p.num_tokens > in.capacity() ? p.num_tokens : in.capacity();
-    if (static_cast<std::int64_t>(p.num_layers) * p.kv_heads > (std::int64_t{1} << 40) / (t > 0 ? t : 1))
-      return status::error(errc::not_supported, "num_layers * kv_heads * t is too large for the budget arithmetic");
-    return {};
+    return check_tables(p, in, false);
   }
 
   /// check() for plan_options::sharded: the table is the whole model's (kv_heads = the shard's
   /// global count, which run_sharded checks), so it must hold at least this rank's heads.
   template <class T>
   static status check_sharded(const Budgeter::params& p, const layer_inputs<T>& in) {
+    return check_tables(p, in, true);
+  }
+
+  template <class T>
+  static status check_tables(const Budgeter::params& p, const layer_inputs<T>& in, bool sharded) {
     if (!p.on_device)
       return status::error(errc::invalid_argument,
                            "budgeter.on_device = false: the CUDA backend needs the LKV tables in device memory (cuda::lkv_device_tables)");
-    if (in.num_layers != p.num_layers || in.kv_heads() > p.kv_heads)
+    if (!sharded && (in.num_layers != p.num_layers || in.kv_heads() != p.kv_heads))
+      return status::error(errc::shape_mismatch,
+                           "budgeter table (num_layers = %d, kv_heads = %d) != layer inputs (num_layers = %d, kv_heads = %lld)",
+                           p.num_layers, p.kv_heads, in.num_layers, static_cast<long long>(in.kv_heads()));
+    if (sharded && (in.num_layers != p.num_layers || in.kv_heads() > p.kv_heads))
       return status::error(errc::shape_mismatch,
                            "budgeter table (num_layers = %d, kv_heads = %d) does not cover the layer inputs (num_layers = %d, local "
                            "kv_heads = %lld): a sharded LKV-H keeps the whole model's table",
