@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kvevict/core/budget_rules.hpp"
@@ -316,6 +317,13 @@ status local_layer_budgets(const layer_exchange& ex, std::int64_t batch, std::in
   }
   return {};
 }
+
+/// Whether a score-driven budgeter can allocate over a sharded layer: it has the host-device
+/// apportion_budgets that local_score_budgets runs over the global rows.
+template <class Bu, class = void>
+struct has_apportion_budgets : std::false_type {};
+template <class Bu>
+struct has_apportion_budgets<Bu, std::void_t<decltype(&Bu::template apportion_budgets<std::int64_t>)>> : std::true_type {};
 
 /// This rank's score-driven budgets (AdaKV, CriticalAdaKV) after agree(): the global winners
 /// (winners(), rounds 3-7), Budgeter::apportion_budgets over the global rows (the single-device

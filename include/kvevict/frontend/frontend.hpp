@@ -133,6 +133,18 @@ KVEVICT_HOST_DEVICE inline std::int64_t kept_tokens(const head_plan& pl, std::in
   return budget < pl.length ? budget : pl.length;
 }
 
+/// A layer's kept total against the selection's capacity and the int32 range of its indptr
+/// (the drivers' check before any index is written).
+inline status check_kept_total(std::int64_t total, std::int64_t capacity) {
+  if (total > 0x7fffffff)
+    return status::error(errc::not_supported, "kept tokens = %lld exceed the int32 range of selection.indptr",
+                         static_cast<long long>(total));
+  if (total > capacity)
+    return status::error(errc::insufficient_capacity, "selection.capacity = %lld < kept tokens = %lld (use max_selected())",
+                         static_cast<long long>(capacity), static_cast<long long>(total));
+  return {};
+}
+
 /// The front-end of evictor<Policy, *>. Static functions only; the drivers call them.
 template <class Policy>
 struct frontend {

@@ -242,10 +242,8 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   }
 
  private:
-  template <class Bu, class = void>
-  struct has_apportion : std::false_type {};
   template <class Bu>
-  struct has_apportion<Bu, std::void_t<decltype(&Bu::template apportion_budgets<std::int64_t>)>> : std::true_type {};
+  using has_apportion = distributed::detail::has_apportion_budgets<Bu>;
 
   template <class T>
   status run_impl(const eviction_plan& pl, const layer_inputs<T>& in, selection_view out, void* workspace, std::size_t workspace_bytes,
@@ -373,13 +371,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       buf.offsets[r] = total;
       total += FE::kept(buf.plans[r], buf.budgets[r]);
     }
-    status fits;
-    if (total > 0x7fffffff)
-      fits = status::error(errc::not_supported, "kept tokens = %lld exceed the int32 range of selection.indptr",
-                           static_cast<long long>(total));
-    else if (total > out.capacity)
-      fits = status::error(errc::insufficient_capacity, "selection.capacity = %lld < kept tokens = %lld (use max_selected())",
-                           static_cast<long long>(out.capacity), static_cast<long long>(total));
+    const status fits = kvevict::detail::check_kept_total(total, out.capacity);
     if (ex) KVEVICT_TRY(ex->finish(fits));  // sharded: every rank writes, or none
     KVEVICT_TRY(fits);
     if constexpr (lazy_secondary) {

@@ -534,10 +534,8 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   // host-device apportion_budgets (run over the global rows on the host); whole-layer ones the
   // sharded hooks of their CUDA implementation (check_sharded, sharded_begin,
   // sharded_layer_budgets: budgeters::headwise_learned has them).
-  template <class Bu, class = void>
-  struct has_apportion : std::false_type {};
   template <class Bu>
-  struct has_apportion<Bu, std::void_t<decltype(&Bu::template apportion_budgets<std::int64_t>)>> : std::true_type {};
+  using has_apportion = distributed::detail::has_apportion_budgets<Bu>;
   template <class Bi, class = void>
   struct has_sharded_hooks : std::false_type {};
   template <class Bi>
@@ -655,11 +653,7 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     if (fits.ok()) {
       std::int64_t total = 0;
       for (std::int64_t r = 0; r < rows; ++r) total += front::kept(plans[static_cast<std::size_t>(r)], budgets[static_cast<std::size_t>(r)]);
-      if (total > 0x7fffffff)
-        fits = status::error(errc::not_supported, "kept tokens = %lld exceed the int32 range of selection.indptr", static_cast<long long>(total));
-      else if (total > out.capacity)
-        fits = status::error(errc::insufficient_capacity, "selection.capacity = %lld < kept tokens = %lld (use max_selected())",
-                             static_cast<long long>(out.capacity), static_cast<long long>(total));
+      fits = kvevict::detail::check_kept_total(total, out.capacity);
     }
     KVEVICT_TRY(ex.finish(fits));  // every rank writes, or none
     return enqueue_selection(in, out, lr, maybe_scores);
