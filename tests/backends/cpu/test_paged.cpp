@@ -275,6 +275,51 @@ TEST_CASE("paged: every page that holds a token is checked, whichever head is lo
   CHECK(ev.workspace_size(bad) == 0);
 }
 
+TEST_CASE("paged: the NaN scan's pool-order pass finds a NaN in every slot that holds a token and in no other slot") {
+  // cpu::detail::any_nonfinite_paged reads page by page (the heads of a shared page together);
+  // scan_finite_paged names the first bad element in (b, h, s, d) order. Every valid element of K
+  // in turn holds a NaN (the pool's unused slots, the slots before a row's start offset and after
+  // its last token are NaN throughout): found and named exactly; with none, nothing is found.
+  kvtest::shape sh;
+  sh.batch = 2, sh.kv_heads = 3, sh.group = 1, sh.cap = 13, sh.d = 3, sh.window = 1;
+  const kvtest::problem p = kvtest::make_problem(sh, 41, 1.0, 1.0, 1.0, {5, 13, 0, 9, 1, 9});
+  kvtest::stored<float> st;
+  kvtest::store(p, kvtest::layout::hnd, st);
+  int cases = 0;
+  for (auto pool : {kvtest::pool_layout::nhd, kvtest::pool_layout::hnd, kvtest::pool_layout::token_innermost})
+    for (int table = 0; table < 3; ++table)  // per sequence, per head over every-head pages, per head over one-head pages
+      for (std::int64_t ps : {1, 4}) {
+        const bool per_head = table > 0, ohp = table == 2;
+        kvtest::paged_copy<float> pg;
+        kvtest::make_paged(st.in, ps, pool, per_head, ohp, 7 + static_cast<std::uint64_t>(cases), pg, false, 3, false, 1);
+        CAPTURE(kvtest::to_string(pool));
+        CAPTURE(table);
+        CAPTURE(ps);
+        REQUIRE_FALSE(kv::cpu::detail::any_nonfinite_paged(pg.in, pg.in.keys));
+        REQUIRE(kv::cpu::detail::scan_finite_paged(pg.in, pg.in.keys, "keys").ok());
+        const auto& k = pg.in.keys;
+        for (std::int64_t b = 0; b < 2; ++b)
+          for (std::int64_t h = 0; h < 3; ++h) {
+            const auto rs = kv::cpu::detail::head_rows(pg.in, k, b, h);
+            for (std::int64_t s = 0; s < pg.in.length(b, h); ++s)
+              for (std::int64_t c = 0; c < 3; ++c) {
+                float* x = pg.kpool.data() + (rs.row_ptr(s) - pg.kpool.data()) + c * rs.col_stride;
+                const float keep = *x;
+                *x = std::nanf("");
+                const bool found = kv::cpu::detail::any_nonfinite_paged(pg.in, k);
+                const kv::status e = kv::cpu::detail::scan_finite_paged(pg.in, k, "keys");
+                *x = keep;
+                CHECK(found);
+                const std::string want = "keys(b=" + std::to_string(b) + ", h=" + std::to_string(h) + ", s=" + std::to_string(s) +
+                                         ", d=" + std::to_string(c) + ") = nan";
+                CHECK(std::string(e.message()).find(want) != std::string::npos);
+                ++cases;
+              }
+          }
+      }
+  CHECK(cases == 18 * 37 * 3);
+}
+
 TEST_CASE("paged: rows that start inside their first page (pages.start_offset) equal the contiguous view, every preset") {
   const std::vector<std::int32_t> ragged = {150, 97, 33, 150}, per_seq = {150, 150, 61, 61};
   std::uint64_t seed = 120;

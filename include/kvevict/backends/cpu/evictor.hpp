@@ -79,10 +79,72 @@ inline status scan_finite(const V& v, const char* name, F rows_valid) {
   return {};
 }
 
+/// Whether any valid row of a paged cache's K or V (`v`) holds a NaN or inf, read in the order
+/// that suits the pool rather than the order errors are named in: with one table per sequence,
+/// page by page, and within a page the heads' runs in memory order (HND: head-major, one run of
+/// rows after another; NHD: slot-major, the heads of a slot side by side), so each page is read
+/// as one stream instead of kv_heads separate pieces (shuffled pages defeat the hardware
+/// prefetcher at every piece). Per-head tables are read head by head (each head owns its pages).
+/// Only a yes/no: scan_finite_paged names the first bad element in (b, h, s, d) order.
+template <class T>
+inline bool any_nonfinite_paged(const layer_inputs<T>& in, const kv_view<const T>& v) {
+  const std::int64_t H = in.kv_heads(), d = v.extent[3];
+  auto bad_rows = [&](const T* first, std::int64_t n, std::int64_t row_stride, std::int64_t col_stride) {
+    if (col_stride == 1 && row_stride == d) return !row_finite(first, n * d);  // one block
+    for (std::int64_t i = 0; i < n; ++i) {
+      const T* row = first + i * row_stride;
+      if (col_stride == 1) {
+        if (!row_finite(row, d)) return true;
+        continue;
+      }
+      for (std::int64_t c = 0; c < d; ++c)
+        if (!is_finite_value(row[c * col_stride])) return true;
+    }
+    return false;
+  };
+  const bool slot_major = v.stride[2] > v.stride[1];  // NHD-like: a slot's heads lie closer than a head's slots
+  for (std::int64_t b = 0; b < in.batch(); ++b) {
+    if (in.pages.per_head) {
+      for (std::int64_t h = 0; h < H; ++h) {
+        const row_source<T> rs = head_rows(in, v, b, h);
+        for (std::int64_t s0 = 0, L = in.length(b, h); s0 < L;) {
+          const std::int64_t run = std::min(L - s0, rs.page_size - (s0 + rs.page_offset) % rs.page_size);
+          if (bad_rows(rs.row_ptr(s0), run, rs.row_stride, rs.col_stride)) return true;
+          s0 += run;
+        }
+      }
+      continue;
+    }
+    std::int64_t Lmax = 0;
+    for (std::int64_t h = 0; h < H; ++h) Lmax = std::max(Lmax, in.length(b, h));
+    const row_source<T> rs0 = head_rows(in, v, b, 0);  // the heads share the table: head h is rs0 + h * stride[1]
+    for (std::int64_t s0 = 0; s0 < Lmax;) {
+      const std::int64_t run = std::min(Lmax - s0, rs0.page_size - (s0 + rs0.page_offset) % rs0.page_size);
+      const T* page_first = rs0.row_ptr(s0);
+      if (slot_major) {
+        for (std::int64_t i = 0; i < run; ++i)
+          for (std::int64_t h = 0; h < H; ++h)
+            if (s0 + i < in.length(b, h) && bad_rows(page_first + i * rs0.row_stride + h * v.stride[1], 1, rs0.row_stride, rs0.col_stride))
+              return true;
+      } else {
+        for (std::int64_t h = 0; h < H; ++h) {
+          const std::int64_t n = std::min(run, in.length(b, h) - s0);
+          if (n > 0 && bad_rows(page_first + h * v.stride[1], n, rs0.row_stride, rs0.col_stride)) return true;
+        }
+      }
+      s0 += run;
+    }
+  }
+  return false;
+}
+
 /// scan_finite over a paged cache: the rows of every (sequence, KV head) through its page table,
 /// named by logical coordinates (sequence, head, slot, dim) and the page that holds the slot.
+/// any_nonfinite_paged first (the fast pass, in pool order); the ordered walk that names the
+/// first bad element runs only when it finds one.
 template <class T>
 inline status scan_finite_paged(const layer_inputs<T>& in, const kv_view<const T>& v, const char* name) {
+  if (!any_nonfinite_paged(in, v)) return {};
   for (std::int64_t b = 0; b < in.batch(); ++b)
     for (std::int64_t h = 0; h < in.kv_heads(); ++h) {
       const row_source<T> rs = head_rows(in, v, b, h);
