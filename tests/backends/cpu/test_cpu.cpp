@@ -465,6 +465,82 @@ TEST_CASE("row_finite (the NaN scan's vectorised row test) equals is_finite_valu
   CHECK(misses == 0);
 }
 
+TEST_CASE_TEMPLATE("the NaN scan's memory-order pass finds a NaN in every valid element of K and Q in every layout, and in no other",
+                   T, float, bfloat16_t) {
+  // cpu::detail::any_nonfinite reads slot-major when a slot's heads lie side by side (NHD) and
+  // head-major otherwise; scan_finite names the first bad element in (b, h, s, d) order. The
+  // slots past a head's length, the padding and the query rows before a short head's window
+  // hold NaN throughout. Ragged lengths (an empty head), equal ones (NHD: the slots every head
+  // holds are read as one block) and one KV head.
+  struct shape_case {
+    std::int64_t kv_heads;
+    std::vector<std::int32_t> lens;
+  };
+  const std::vector<shape_case> shapes = {{3, {5, 11, 0, 9, 2, 11}}, {3, {11, 11, 11, 7, 7, 7}}, {1, {7, 3}}};
+  const T nan = kv::from_float<T>(std::numeric_limits<float>::quiet_NaN()), ninf = kv::from_float<T>(-std::numeric_limits<float>::infinity());
+  int cases = 0, expected = 0;
+  for (const shape_case& sc : shapes) {
+    kvtest::shape sh;
+    sh.batch = 2, sh.kv_heads = sc.kv_heads, sh.group = 2, sh.cap = 11, sh.d = 3, sh.window = 4, sh.hidden = 8;
+    for (layout l : {layout::hnd, layout::nhd, layout::padded, layout::interleaved}) {
+      CAPTURE(kvtest::to_string(l));
+      CAPTURE(sc.kv_heads);
+      const kvtest::problem p = kvtest::make_problem(sh, 4242, 1.0, 1.0, 1.0, sc.lens);
+      kvtest::stored<T> st;
+      kvtest::store(p, l, st);
+      const auto& in = st.in;
+      auto kv_rows = [&](std::int64_t b, std::int64_t h, std::int64_t* r0, std::int64_t* r1) {
+        *r0 = 0;
+        *r1 = in.length(b, h);
+      };
+      const std::int64_t G = in.group_size(), W = in.window();
+      auto q_rows = [&](std::int64_t b, std::int64_t hq, std::int64_t* r0, std::int64_t* r1) {
+        *r0 = W - std::min<std::int64_t>(W, in.length(b, hq / G));
+        *r1 = W;
+      };
+      auto elem = [](std::vector<T>& buf, const auto& v, std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t c) -> T& {
+        return buf[static_cast<std::size_t>(&v(b, h, s, c) - buf.data())];
+      };
+      for (std::int64_t b = 0; b < 2; ++b)  // the query rows no head's window reaches: NaN
+        for (std::int64_t hq = 0; hq < in.queries.extent[1]; ++hq) {
+          std::int64_t r0, r1;
+          q_rows(b, hq, &r0, &r1);
+          for (std::int64_t s = 0; s < r0; ++s)
+            for (std::int64_t c = 0; c < 3; ++c) elem(st.qbuf, in.queries, b, hq, s, c) = nan;
+        }
+      REQUIRE_FALSE(kv::cpu::detail::any_nonfinite(in.keys, kv_rows));
+      REQUIRE_FALSE(kv::cpu::detail::any_nonfinite(in.queries, q_rows));
+      REQUIRE(kv::cpu::detail::scan_finite(in.queries, "queries", q_rows).ok());
+      auto each_valid = [&](const auto& v, std::vector<T>& buf, auto rows, const char* name) {
+        for (std::int64_t b = 0; b < v.extent[0]; ++b)
+          for (std::int64_t h = 0; h < v.extent[1]; ++h) {
+            std::int64_t r0, r1;
+            rows(b, h, &r0, &r1);
+            for (std::int64_t s = r0; s < r1; ++s)
+              for (std::int64_t c = 0; c < v.extent[3]; ++c) {
+                T& x = elem(buf, v, b, h, s, c);
+                const T keep = x;
+                x = ninf;
+                const bool found = kv::cpu::detail::any_nonfinite(v, rows);
+                const kv::status e = kv::cpu::detail::scan_finite(v, name, rows);
+                x = keep;
+                CHECK(found);
+                const std::string want = std::string(name) + "(b=" + std::to_string(b) + ", h=" + std::to_string(h) +
+                                         ", s=" + std::to_string(s) + ", d=" + std::to_string(c) + ") = -inf";
+                CHECK(std::string(e.message()).find(want) != std::string::npos);
+                ++cases;
+              }
+          }
+      };
+      each_valid(in.keys, st.kbuf, kv_rows, "keys");
+      each_valid(in.queries, st.qbuf, q_rows, "queries");
+      for (std::int32_t L : sc.lens) expected += 3 * (L + G * static_cast<int>(std::min<std::int64_t>(W, L)));  // K, then Q
+    }
+  }
+  CHECK(cases == expected);
+  CHECK(cases > 1000);
+}
+
 TEST_CASE("NaN/inf outside the valid region (padding) is never read; check_finite = false skips the scan") {
   kvtest::shape s;
   s.batch = 2, s.kv_heads = 1, s.group = 1, s.cap = 20, s.d = 8, s.window = 4, s.hidden = 8;

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -275,49 +276,67 @@ TEST_CASE("paged: every page that holds a token is checked, whichever head is lo
   CHECK(ev.workspace_size(bad) == 0);
 }
 
-TEST_CASE("paged: the NaN scan's pool-order pass finds a NaN in every slot that holds a token and in no other slot") {
+TEST_CASE_TEMPLATE("paged: the NaN scan's pool-order pass finds a NaN in every slot that holds a token and in no other slot", T,
+                   float, kv::half_t) {
   // cpu::detail::any_nonfinite_paged reads page by page (the heads of a shared page together);
   // scan_finite_paged names the first bad element in (b, h, s, d) order. Every valid element of K
   // in turn holds a NaN (the pool's unused slots, the slots before a row's start offset and after
   // its last token are NaN throughout): found and named exactly; with none, nothing is found.
-  kvtest::shape sh;
-  sh.batch = 2, sh.kv_heads = 3, sh.group = 1, sh.cap = 13, sh.d = 3, sh.window = 1;
-  const kvtest::problem p = kvtest::make_problem(sh, 41, 1.0, 1.0, 1.0, {5, 13, 0, 9, 1, 9});
-  kvtest::stored<float> st;
-  kvtest::store(p, kvtest::layout::hnd, st);
-  int cases = 0;
-  for (auto pool : {kvtest::pool_layout::nhd, kvtest::pool_layout::hnd, kvtest::pool_layout::token_innermost})
-    for (int table = 0; table < 3; ++table)  // per sequence, per head over every-head pages, per head over one-head pages
-      for (std::int64_t ps : {1, 4}) {
-        const bool per_head = table > 0, ohp = table == 2;
-        kvtest::paged_copy<float> pg;
-        kvtest::make_paged(st.in, ps, pool, per_head, ohp, 7 + static_cast<std::uint64_t>(cases), pg, false, 3, false, 1);
-        CAPTURE(kvtest::to_string(pool));
-        CAPTURE(table);
-        CAPTURE(ps);
-        REQUIRE_FALSE(kv::cpu::detail::any_nonfinite_paged(pg.in, pg.in.keys));
-        REQUIRE(kv::cpu::detail::scan_finite_paged(pg.in, pg.in.keys, "keys").ok());
-        const auto& k = pg.in.keys;
-        for (std::int64_t b = 0; b < 2; ++b)
-          for (std::int64_t h = 0; h < 3; ++h) {
-            const auto rs = kv::cpu::detail::head_rows(pg.in, k, b, h);
-            for (std::int64_t s = 0; s < pg.in.length(b, h); ++s)
-              for (std::int64_t c = 0; c < 3; ++c) {
-                float* x = pg.kpool.data() + (rs.row_ptr(s) - pg.kpool.data()) + c * rs.col_stride;
-                const float keep = *x;
-                *x = std::nanf("");
-                const bool found = kv::cpu::detail::any_nonfinite_paged(pg.in, k);
-                const kv::status e = kv::cpu::detail::scan_finite_paged(pg.in, k, "keys");
-                *x = keep;
-                CHECK(found);
-                const std::string want = "keys(b=" + std::to_string(b) + ", h=" + std::to_string(h) + ", s=" + std::to_string(s) +
-                                         ", d=" + std::to_string(c) + ") = nan";
-                CHECK(std::string(e.message()).find(want) != std::string::npos);
-                ++cases;
-              }
-          }
-      }
-  CHECK(cases == 18 * 37 * 3);
+  // Ragged lengths (per-head runs, an empty head), equal ones (a shared NHD page's valid slots
+  // read as one block; lengths from `lengths` and from last_page_len) and one KV head.
+  struct shape_case {
+    std::int64_t kv_heads;
+    std::vector<std::int32_t> lens;
+    bool last_page_len;
+  };
+  const std::vector<shape_case> shapes = {
+      {3, {5, 13, 0, 9, 1, 9}, false}, {3, std::vector<std::int32_t>(6, 13), false}, {3, {11, 11, 11, 6, 6, 6}, true}, {1, {13, 6}, true}};
+  const T nan = kv::from_float<T>(std::numeric_limits<float>::quiet_NaN());
+  int cases = 0, expected = 0;
+  std::uint64_t seed = 7;
+  for (const shape_case& sc : shapes) {
+    kvtest::shape sh;
+    sh.batch = 2, sh.kv_heads = sc.kv_heads, sh.group = 1, sh.cap = 13, sh.d = 3, sh.window = 1;
+    const kvtest::problem p = kvtest::make_problem(sh, 41, 1.0, 1.0, 1.0, sc.lens);
+    kvtest::stored<T> st;
+    kvtest::store(p, kvtest::layout::hnd, st);
+    for (auto pool : {kvtest::pool_layout::nhd, kvtest::pool_layout::hnd, kvtest::pool_layout::token_innermost})
+      for (int table = 0; table < 3; ++table)  // per sequence, per head over every-head pages, per head over one-head pages
+        for (std::int64_t ps : {1, 4}) {
+          const bool per_head = table > 0, ohp = table == 2;
+          kvtest::paged_copy<T> pg;
+          kvtest::make_paged(st.in, ps, pool, per_head, ohp, seed++, pg, sc.last_page_len, 3, false, 1);
+          CAPTURE(kvtest::to_string(pool));
+          CAPTURE(table);
+          CAPTURE(ps);
+          CAPTURE(sc.kv_heads);
+          REQUIRE(pg.in.pages.last_page_len == (sc.last_page_len ? pg.last_page_len.data() : nullptr));
+          REQUIRE_FALSE(kv::cpu::detail::any_nonfinite_paged(pg.in, pg.in.keys));
+          REQUIRE(kv::cpu::detail::scan_finite_paged(pg.in, pg.in.keys, "keys").ok());
+          const auto& k = pg.in.keys;
+          for (std::int64_t b = 0; b < 2; ++b)
+            for (std::int64_t h = 0; h < sc.kv_heads; ++h) {
+              const auto rs = kv::cpu::detail::head_rows(pg.in, k, b, h);
+              for (std::int64_t s = 0; s < pg.in.length(b, h); ++s)
+                for (std::int64_t c = 0; c < 3; ++c) {
+                  T& x = pg.kpool[static_cast<std::size_t>(rs.row_ptr(s) + c * rs.col_stride - pg.kpool.data())];
+                  const T keep = x;
+                  x = nan;
+                  const bool found = kv::cpu::detail::any_nonfinite_paged(pg.in, k);
+                  const kv::status e = kv::cpu::detail::scan_finite_paged(pg.in, k, "keys");
+                  x = keep;
+                  CHECK(found);
+                  const std::string want = "keys(b=" + std::to_string(b) + ", h=" + std::to_string(h) + ", s=" + std::to_string(s) +
+                                           ", d=" + std::to_string(c) + ") = nan";
+                  CHECK(std::string(e.message()).find(want) != std::string::npos);
+                  ++cases;
+                }
+            }
+          for (std::int32_t L : sc.lens) expected += 3 * L;
+        }
+  }
+  CHECK(cases == expected);
+  CHECK(cases > 5000);
 }
 
 TEST_CASE("paged: rows that start inside their first page (pages.start_offset) equal the contiguous view, every preset") {

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -59,10 +60,67 @@ inline bool row_finite(const T* p, std::int64_t n) {
   }
 }
 
+/// Whether the valid region of a (batch, heads, seq, dim) view holds a NaN or inf. Slot-major when
+/// a slot's heads lie closer together than a head's slots (NHD: each token's heads side by side,
+/// read as one stream, the slots every head holds as one block), else head by head, row by row,
+/// as scan_finite walks (HND: already one stream per head). rows_valid as in scan_finite. Only a
+/// yes/no: scan_finite names the first bad element in (b, h, s, d) order.
+template <class V, class F>
+inline bool any_nonfinite(const V& v, F rows_valid) {
+  const std::int64_t H = v.extent[1], d = v.extent[3];
+  auto bad_row = [&](const auto* row) {
+    if (v.stride[3] == 1) return !row_finite(row, d);
+    for (std::int64_t c = 0; c < d; ++c)
+      if (!is_finite_value(row[c * v.stride[3]])) return true;
+    return false;
+  };
+  const bool slot_major = H > 1 && v.stride[2] > v.stride[1];
+  for (std::int64_t b = 0; b < v.extent[0]; ++b) {
+    if (!slot_major) {
+      for (std::int64_t h = 0; h < H; ++h) {
+        std::int64_t r0, r1;
+        rows_valid(b, h, &r0, &r1);
+        for (std::int64_t s = r0; s < r1; ++s)
+          if (bad_row(&v(b, h, s, 0))) return true;
+      }
+      continue;
+    }
+    std::int64_t lo = 0, hi = 0;  // the union of the heads' valid slots
+    std::int64_t all_lo = 0, all_hi = std::numeric_limits<std::int64_t>::max();  // the slots every head holds
+    for (std::int64_t h = 0; h < H; ++h) {
+      std::int64_t r0, r1;
+      rows_valid(b, h, &r0, &r1);
+      all_lo = std::max(all_lo, r0), all_hi = std::min(all_hi, r1);
+      if (r0 >= r1) continue;
+      if (lo >= hi) {
+        lo = r0, hi = r1;
+      } else {
+        lo = std::min(lo, r0), hi = std::max(hi, r1);
+      }
+    }
+    const bool dense = v.stride[3] == 1 && v.stride[1] == d && v.stride[2] == H * d;  // a slot's heads are one block
+    for (std::int64_t s = lo; s < hi; ++s) {
+      if (dense && s >= all_lo && s < all_hi) {  // slots [s, all_hi) of every head: one block
+        if (!row_finite(&v(b, 0, s, 0), (all_hi - s) * H * d)) return true;
+        s = all_hi - 1;
+        continue;
+      }
+      for (std::int64_t h = 0; h < H; ++h) {
+        std::int64_t r0, r1;
+        rows_valid(b, h, &r0, &r1);
+        if (s >= r0 && s < r1 && bad_row(&v(b, h, s, 0))) return true;
+      }
+    }
+  }
+  return false;
+}
+
 /// Scan the valid region of an (batch, heads, seq, dim) view for NaN/inf. rows_valid(b, h)
-/// gives the valid [first, last) slots.
+/// gives the valid [first, last) slots. any_nonfinite first (one pass in memory order); the
+/// ordered walk that names the first bad element in (b, h, s, d) order runs only when it finds one.
 template <class V, class F>
 inline status scan_finite(const V& v, const char* name, F rows_valid) {
+  if (!any_nonfinite(v, rows_valid)) return {};
   for (std::int64_t b = 0; b < v.extent[0]; ++b)
     for (std::int64_t h = 0; h < v.extent[1]; ++h) {
       std::int64_t r0, r1;
@@ -115,13 +173,18 @@ inline bool any_nonfinite_paged(const layer_inputs<T>& in, const kv_view<const T
       }
       continue;
     }
-    std::int64_t Lmax = 0;
-    for (std::int64_t h = 0; h < H; ++h) Lmax = std::max(Lmax, in.length(b, h));
+    std::int64_t Lmax = 0, Lmin = std::numeric_limits<std::int64_t>::max();
+    for (std::int64_t h = 0; h < H; ++h) Lmax = std::max(Lmax, in.length(b, h)), Lmin = std::min(Lmin, in.length(b, h));
     const row_source<T> rs0 = head_rows(in, v, b, 0);  // the heads share the table: head h is rs0 + h * stride[1]
     for (std::int64_t s0 = 0; s0 < Lmax;) {
       const std::int64_t run = std::min(Lmax - s0, rs0.page_size - (s0 + rs0.page_offset) % rs0.page_size);
       const T* page_first = rs0.row_ptr(s0);
       if (slot_major) {
+        if (s0 + run <= Lmin && rs0.col_stride == 1 && v.stride[1] == d && rs0.row_stride == H * d) {  // one dense block
+          if (!row_finite(page_first, run * H * d)) return true;
+          s0 += run;
+          continue;
+        }
         for (std::int64_t i = 0; i < run; ++i)
           for (std::int64_t h = 0; h < H; ++h)
             if (s0 + i < in.length(b, h) && bad_rows(page_first + i * rs0.row_stride + h * v.stride[1], 1, rs0.row_stride, rs0.col_stride))
