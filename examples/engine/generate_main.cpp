@@ -45,7 +45,7 @@ int usage(const char* argv0, const std::string& why) {
                  "  --artifact FILE  lkv tables (default: $KVEVICT_LKV_ARTIFACT, else <repo>/artifacts/lkv/stories260K.lkv)\n"
                  "  --paged          paged KV cache: pages of one KV head, a page table per KV head; evictions free pages\n"
                  "                   and print the pages in use before -> after per layer and head to stderr\n"
-                 "                   (presets only, not lkv)\n"
+                 "                   (presets and lkv: LKV's head-wise budgets free pages per head)\n"
                  "  --page-size N    slots per page with --paged (default 16)\n",
                  argv0);
     return 2;
@@ -125,7 +125,6 @@ int main(int argc, char** argv) {
     if (page_size > 0 && !paged) return usage(argv[0], "--page-size needs --paged");
     if (paged && page_size == 0) page_size = 16;
     if (evict_name == "lkv") {
-        if (paged) return usage(argv[0], "--paged applies to the kvevict presets; the lkv session keeps a contiguous cache");
         if (!(keep > 0)) return usage(argv[0], "--evict lkv needs --keep");
         if (chunk > 0) return usage(argv[0], "--chunk does not apply to lkv (its prefill is layer-wise)");
         if (lkv_mode == "a" && interval > 0) return usage(argv[0], "--interval applies to --lkv-mode b only");
@@ -146,7 +145,15 @@ int main(int argc, char** argv) {
         o.mode = lkv_mode == "a" ? lkv_decode_mode::a : lkv_decode_mode::b;
         o.budget = keep >= 1 ? kvevict::budget_request::tokens(std::int32_t(keep)) : kvevict::budget_request::fraction(keep);
         o.interval = interval > 0 ? interval : 1;
+        o.page_size = paged ? page_size : 0;
         lkv_session session(m, kvevict::io::scorer_params(art), kvevict::io::budgeter_params(art), o, int(tokens.size()) + steps);
+        if (paged) {  // every layer's pages in use before -> after its eviction (per KV head), as for the presets
+            auto round = std::make_shared<int>(0);
+            session.on_layer_evicted = [round](int layer, const std::vector<int>& before, const std::vector<int>& after) {
+                if (layer == 0) ++*round;
+                std::fprintf(stderr, "[eviction %d] pages in use: %s\n", *round, pages_line(layer, before, after).c_str());
+            };
+        }
         std::vector<float> logits;
         const auto t0 = std::chrono::steady_clock::now();
         if (result r = session.prefill(tokens, logits); !r) {

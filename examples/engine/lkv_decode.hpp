@@ -20,6 +20,12 @@
 // The prefill eviction is the mode-B rule at t = prompt length with every head full, which keeps
 // exactly what kvevict::evictor<lkv::full> keeps (tests/lkv/test_lkv_decode.cpp checks it).
 // Multi-turn is not supported: prefill() needs an empty session (reset() first).
+//
+// Paged (lkv_decode_options::page_size > 0): the session's kv_cache keeps one-head pages with a page
+// table per KV head; tokens are scored page run by page run (the same floats) and a head that drops
+// tokens returns the pages it no longer needs to the layer's free list, so LKV's head-wise budgets
+// free real pages. Tokens, logits and kept slots equal the contiguous session's bit for bit
+// (tests/engine/test_paged.cpp). on_layer_evicted reports each layer's pages before -> after.
 #pragma once
 
 #include "forward.hpp"
@@ -32,6 +38,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -60,6 +67,7 @@ struct lkv_decode_options {
     /// protection). Their utilities rank above every other token's, and every head's budget is at least
     /// protect_prefix + protect_recent (headwise_learned::params::min_budget; at most t).
     int protect_prefix = 0, protect_recent = 0;
+    int page_size = 0;  ///< > 0: a paged cache of page_size-slot one-head pages (kv_cache's paged mode); 0: contiguous
 };
 
 /// One sequence decoded with LKV (mode A or B). Owns its kv_cache (`capacity` slots per head: prompt +
@@ -72,8 +80,8 @@ class lkv_session {
 public:
     lkv_session(const model& m, const kvevict::scorers::learned_mlp::params& scorer,
                 const kvevict::budgeters::headwise_learned::params& budgeter, lkv_decode_options o, int capacity)
-        : m_(&m), sp_(scorer), bp_(budgeter), opt_(o), cache_(m.cfg, std::max(capacity, 0)) {
-        const int N = m.cfg.n_layers * m.cfg.n_kv_heads, cap = std::max(capacity, 0);
+        : m_(&m), sp_(scorer), bp_(budgeter), opt_(o), cache_(m.cfg, std::max(capacity, 0), std::max(o.page_size, 0)) {
+        const int N = m.cfg.n_layers * m.cfg.n_kv_heads, cap = cache_.capacity();  // paged: rounded up to whole pages
         util_.assign(size_t(N) * size_t(cap), 0.0f);
         lens_.assign(size_t(N), 0);
         budgets_.assign(size_t(N), 0);
@@ -203,11 +211,15 @@ public:
         if (const kvevict::status s = kvevict::lkv::decode_step(bp_, opt_.budget, t_, cv, out); !s.ok())
             return result::failure("lkv_session::step at t = " + std::to_string(t_) + ": " + s.message());
         last_drops_ = drop_indptr_[size_t(L * H)];
-        for (int l = 0; l < L; ++l)
+        for (int l = 0; l < L; ++l) {
+            const std::vector<int> before = layer_pages(l);
             for (int h = 0; h < H; ++h) {
                 const size_t n = size_t(l * H + h);
-                remove_slots(l, h, drop_indices_.data() + drop_indptr_[n], drop_indptr_[n + 1] - drop_indptr_[n]);
+                if (result r = remove_slots(l, h, drop_indices_.data() + drop_indptr_[n], drop_indptr_[n + 1] - drop_indptr_[n]); !r)
+                    return r;
             }
+            if (on_layer_evicted) on_layer_evicted(l, before, layer_pages(l));
+        }
         ++steps_;
         return result::success();
     }
@@ -225,6 +237,9 @@ public:
 
     const kv_cache& cache() const { return cache_; }
     const lkv_decode_options& options_used() const { return opt_; }
+    /// Called after each layer's eviction (the prefill's, and every mode-B step's) with the pages each
+    /// KV head held before and holds after it (all 0 in a contiguous cache). Optional.
+    std::function<void(int layer, const std::vector<int>& before, const std::vector<int>& after)> on_layer_evicted;
     /// Tokens seen: prompt + decoded (the t of the budgets).
     std::int64_t tokens_seen() const { return t_; }
     /// Stored utility of slot s of KV head h in layer l (valid for s < cache().length(l, h); generated
@@ -254,13 +269,31 @@ private:
         return (size_t(l) * size_t(cache_.n_kv_heads()) + size_t(h)) * size_t(cache_.capacity()) + size_t(s);
     }
     // Scores every token of layer l (all heads hold the prompt), then drops to the prefill budgets.
+    std::vector<int> layer_pages(int l) const {
+        std::vector<int> p(size_t(cache_.n_kv_heads()));
+        for (int h = 0; h < cache_.n_kv_heads(); ++h) p[size_t(h)] = cache_.pages_in_use(l, h);
+        return p;
+    }
+    /// Scores slots [0, len) of head h of layer l into util_: one call over a contiguous cache, one per
+    /// page run over a paged one (the rows of a head are contiguous only within a page; every token's
+    /// float is the same either way, learned_mlp_rows is bit-identical per token).
+    kvevict::status score_head(int l, int h, int len) {
+        const int run_max = cache_.paged() ? cache_.page_size() : std::max(len, 1);
+        for (int s0 = 0; s0 < len; s0 += run_max) {
+            const int n = std::min(run_max, len - s0);
+            if (const kvevict::status s = kvevict::lkv::score_tokens(sp_, l, h, cache_.key(l, h, s0), cache_.value(l, h, s0), n,
+                                                                    cache_.slot_stride(), &util_[slot_index(l, h, s0)]);
+                !s.ok())
+                return s;
+        }
+        return {};
+    }
     result evict_prefill_layer(int l) {
         const int H = cache_.n_kv_heads();
+        const std::vector<int> before = layer_pages(l);
         for (int h = 0; h < H; ++h) {
             const int len = cache_.length(l, h);
-            if (const kvevict::status s = kvevict::lkv::score_tokens(sp_, l, h, cache_.key(l, h, 0), cache_.value(l, h, 0), len,
-                                                                    cache_.slot_stride(), &util_[slot_index(l, h, 0)]);
-                !s.ok())
+            if (const kvevict::status s = score_head(l, h, len); !s.ok())
                 return result::failure(std::string("lkv_session::prefill: ") + s.message());
             const float* u = &util_[slot_index(l, h, 0)];
             if (protects()) {
@@ -273,8 +306,9 @@ private:
                                                                     scratch_.data(), drop_indices_.data(), &k);
                 !s.ok())
                 return result::failure("lkv_session::prefill: layer " + std::to_string(l) + " head " + std::to_string(h) + ": " + s.message());
-            remove_slots(l, h, drop_indices_.data(), std::int32_t(k));
+            if (result r = remove_slots(l, h, drop_indices_.data(), std::int32_t(k)); !r) return r;
         }
+        if (on_layer_evicted) on_layer_evicted(l, before, layer_pages(l));
         return result::success();
     }
     kvevict::decode_schedule_options schedule_options() const {
@@ -305,8 +339,10 @@ private:
         return util_protected_.data();
     }
     // Removes the ascending slots drop[0..n) of head (l, h): kept rows move down in order.
-    void remove_slots(int l, int h, const std::int32_t* drop, std::int32_t n) {
-        if (n <= 0) return;
+    /// Drops slots drop[0..n) (ascending) of head h of layer l: the kept rows (key, value, position,
+    /// utility) move down in order; paged, the pages past the new length return to the free list.
+    result remove_slots(int l, int h, const std::int32_t* drop, std::int32_t n) {
+        if (n <= 0) return result::success();
         const int len = cache_.length(l, h), hd = cache_.head_dim();
         std::int32_t* pos = cache_.positions(l) + std::int64_t(h) * cache_.position_head_stride();
         float* u = &util_[slot_index(l, h, 0)];
@@ -322,7 +358,7 @@ private:
             u[w] = u[s];
             ++w;
         }
-        (void)cache_.set_length(l, h, w);
+        return cache_.set_length(l, h, w);
     }
 
     const model* m_;

@@ -6,6 +6,7 @@
 
 #include "../../examples/engine/evict.hpp"
 #include "../../examples/engine/layerwise_prefill.hpp"
+#include "../../examples/engine/lkv_decode.hpp"
 #include "../../examples/engine/model_path.hpp"
 #include "../../examples/engine/tokenizer.hpp"
 #include "engine_fixture.hpp"
@@ -258,5 +259,71 @@ TEST_CASE("paged cache: sessions (chunked prefill + decode-time cap) and layer-w
         REQUIRE(forward(m, a2, argmax(la), x));
         REQUIRE(forward(m, b, argmax(lb), y));
         CHECK(x == y);
+    }
+}
+
+TEST_CASE("paged cache: the LKV decoding session (modes A and B) equals the contiguous one and frees pages by LKV's head-wise budgets") {
+    REQUIRE_MODEL_OR_SKIP();
+    if (!fx().have_lkv) {
+        MESSAGE("skipped: artifacts/lkv/stories260K.lkv missing or for another model");
+        return;
+    }
+    const model& m = fx().m;
+    const std::vector<int> prompt = sherlock_tokens(90000, 700);
+    const int steps = 24;
+    for (const lkv_decode_mode mode : {lkv_decode_mode::a, lkv_decode_mode::b}) {
+        lkv_decode_options o;
+        o.mode = mode;
+        o.budget = kvevict::budget_request::fraction(0.2);
+        o.interval = 4;
+        lkv_session a(m, kvevict::io::scorer_params(fx().art), kvevict::io::budgeter_params(fx().art), o, int(prompt.size()) + steps);
+        std::vector<float> la;
+        REQUIRE(a.prefill(prompt, la));
+        std::vector<std::vector<float>> ref_logits{la};
+        std::vector<int> next;
+        for (int i = 0; i < steps; ++i) {
+            next.push_back(int(std::max_element(la.begin(), la.end()) - la.begin()));
+            REQUIRE(a.decode(next.back(), la));
+            ref_logits.push_back(la);
+        }
+        for (const int ps : {1, 16, 64}) {
+            CAPTURE(ps);
+            CAPTURE(int(mode));
+            lkv_decode_options po = o;
+            po.page_size = ps;
+            lkv_session b(m, kvevict::io::scorer_params(fx().art), kvevict::io::budgeter_params(fx().art), po, int(prompt.size()) + steps);
+            REQUIRE(b.cache().paged());
+            // every eviction's report: the pages before and after each layer's eviction, per head
+            int reports = 0, freed = 0;
+            std::set<int> pages_after;  // distinct page counts of the heads of layer 1 after the prefill
+            b.on_layer_evicted = [&](int l, const std::vector<int>& before, const std::vector<int>& after) {
+                ++reports;
+                REQUIRE(int(before.size()) == m.cfg.n_kv_heads);
+                for (int h = 0; h < m.cfg.n_kv_heads; ++h) {
+                    CHECK(after[size_t(h)] == (b.cache().length(l, h) + ps - 1) / ps);
+                    CHECK(after[size_t(h)] <= before[size_t(h)]);
+                    freed += before[size_t(h)] - after[size_t(h)];
+                    if (l == 1 && b.evictions() == 0) pages_after.insert(after[size_t(h)]);
+                }
+            };
+            std::vector<float> lb;
+            const result r = b.prefill(prompt, lb);
+            REQUIRE_MESSAGE(r, r.error);
+            CHECK(reports == m.cfg.n_layers);
+            CHECK(lb == ref_logits[0]);
+            for (int i = 0; i < steps; ++i) {
+                REQUIRE(b.decode(next[size_t(i)], lb));
+                CHECK(lb == ref_logits[size_t(i) + 1]);
+            }
+            CHECK(b.evictions() == a.evictions());
+            CHECK(reports == m.cfg.n_layers * b.evictions());
+            CHECK(freed > 0);
+            if (ps == 1) CHECK(pages_after.size() > 1);  // LKV's head-wise budgets: the heads keep different page counts
+            check_same_contents(a.cache(), b.cache());
+            check_pages(b.cache());
+            for (int l = 0; l < m.cfg.n_layers; ++l)
+                for (int h = 0; h < m.cfg.n_kv_heads; ++h)
+                    for (int s = 0; s < a.cache().length(l, h); ++s) REQUIRE(a.utility(l, h, s) == b.utility(l, h, s));
+        }
     }
 }
