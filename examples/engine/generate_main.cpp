@@ -2,10 +2,10 @@
 // Usage: generate [--model DIR] [--prompt TEXT] [--steps N] [--temperature T] [--seed S]
 //                 [--evict restkv|snapkv|pyramidkv|adakv|h2o|tova|streaming_llm --keep X [--chunk N] [--interval N]
 //                  [--paged [--page-size N]]]
-//                 [--evict lkv --keep R [--lkv-mode a|b] [--interval S] [--artifact FILE]]
+//                 [--evict lkv --keep R [--lkv-mode a|b] [--interval S] [--artifact FILE] [--paged [--page-size N]]]
 // --paged: the KV cache is paged (one-head pages of --page-size slots, per-KV-head page tables; kv_cache.hpp),
-// evictions free pages (kvevict::cpu::compact_paged), and the pages in use before and after every layer's
-// eviction go to stderr.
+// evictions free pages (the presets through kvevict::cpu::compact_paged, lkv_session by moving its kept rows
+// through the page table), and the pages in use before and after every layer's eviction go to stderr.
 // Build: g++ -std=c++17 -O2 -Iinclude -I/usr/include/eigen3 -DKVEVICT_SOURCE_DIR="\"$PWD\"" examples/engine/generate_main.cpp -o /tmp/generate
 #include "evict.hpp"
 #include "forward.hpp"

@@ -70,9 +70,9 @@ struct lkv_decode_options {
     int page_size = 0;  ///< > 0: a paged cache of page_size-slot one-head pages (kv_cache's paged mode); 0: contiguous
 };
 
-/// One sequence decoded with LKV (mode A or B). Owns its kv_cache (`capacity` slots per head: prompt +
-/// generated tokens always suffices; mode A needs that much in its heads, mode B only a head's largest
-/// budget + interval), the utilities and every per-step buffer (kvevict::lkv::decode_budget_scratch
+/// One sequence decoded with LKV (mode A or B). Owns its kv_cache (`capacity` slots per head, rounded up
+/// to whole pages when paged: prompt + generated tokens always suffices; mode A needs that much in its
+/// heads, mode B only a head's largest budget + interval), the utilities and every per-step buffer (kvevict::lkv::decode_budget_scratch
 /// included), all allocated at construction: a mode-B step allocates nothing (forward() itself uses a few
 /// Eigen temporaries). The scorer/budgeter parameters point into an artifact that must outlive the
 /// session, as must the model.
@@ -98,6 +98,8 @@ public:
         bs_.share = share_.data();
         bs_.capv = capv_.data();
         bs_.clipped = clipped_.data();
+        pages_before_.assign(size_t(m.cfg.n_kv_heads), 0);
+        pages_after_.assign(size_t(m.cfg.n_kv_heads), 0);
     }
     lkv_session(const lkv_session&) = delete;
     lkv_session& operator=(const lkv_session&) = delete;
@@ -212,13 +214,13 @@ public:
             return result::failure("lkv_session::step at t = " + std::to_string(t_) + ": " + s.message());
         last_drops_ = drop_indptr_[size_t(L * H)];
         for (int l = 0; l < L; ++l) {
-            const std::vector<int> before = layer_pages(l);
+            if (on_layer_evicted) layer_pages(l, pages_before_);
             for (int h = 0; h < H; ++h) {
                 const size_t n = size_t(l * H + h);
                 if (result r = remove_slots(l, h, drop_indices_.data() + drop_indptr_[n], drop_indptr_[n + 1] - drop_indptr_[n]); !r)
                     return r;
             }
-            if (on_layer_evicted) on_layer_evicted(l, before, layer_pages(l));
+            report_pages(l);
         }
         ++steps_;
         return result::success();
@@ -238,7 +240,8 @@ public:
     const kv_cache& cache() const { return cache_; }
     const lkv_decode_options& options_used() const { return opt_; }
     /// Called after each layer's eviction (the prefill's, and every mode-B step's) with the pages each
-    /// KV head held before and holds after it (all 0 in a contiguous cache). Optional.
+    /// KV head held before and holds after it (all 0 in a contiguous cache). Optional. During prefill()
+    /// it runs before tokens_seen() and evictions() count the prefill.
     std::function<void(int layer, const std::vector<int>& before, const std::vector<int>& after)> on_layer_evicted;
     /// Tokens seen: prompt + decoded (the t of the budgets).
     std::int64_t tokens_seen() const { return t_; }
@@ -268,11 +271,15 @@ private:
     size_t slot_index(int l, int h, int s) const {
         return (size_t(l) * size_t(cache_.n_kv_heads()) + size_t(h)) * size_t(cache_.capacity()) + size_t(s);
     }
-    // Scores every token of layer l (all heads hold the prompt), then drops to the prefill budgets.
-    std::vector<int> layer_pages(int l) const {
-        std::vector<int> p(size_t(cache_.n_kv_heads()));
-        for (int h = 0; h < cache_.n_kv_heads(); ++h) p[size_t(h)] = cache_.pages_in_use(l, h);
-        return p;
+    /// Pages each KV head of layer l holds, into `out` (n_kv_heads, sized at construction: no allocation).
+    void layer_pages(int l, std::vector<int>& out) const {
+        for (int h = 0; h < cache_.n_kv_heads(); ++h) out[size_t(h)] = cache_.pages_in_use(l, h);
+    }
+    /// on_layer_evicted(l, pages_before_, pages after), when set.
+    void report_pages(int l) {
+        if (!on_layer_evicted) return;
+        layer_pages(l, pages_after_);
+        on_layer_evicted(l, pages_before_, pages_after_);
     }
     /// Scores slots [0, len) of head h of layer l into util_: one call over a contiguous cache, one per
     /// page run over a paged one (the rows of a head are contiguous only within a page; every token's
@@ -288,9 +295,10 @@ private:
         }
         return {};
     }
+    // Scores every token of layer l (all heads hold the prompt), then drops to the prefill budgets.
     result evict_prefill_layer(int l) {
         const int H = cache_.n_kv_heads();
-        const std::vector<int> before = layer_pages(l);
+        if (on_layer_evicted) layer_pages(l, pages_before_);
         for (int h = 0; h < H; ++h) {
             const int len = cache_.length(l, h);
             if (const kvevict::status s = score_head(l, h, len); !s.ok())
@@ -308,7 +316,7 @@ private:
                 return result::failure("lkv_session::prefill: layer " + std::to_string(l) + " head " + std::to_string(h) + ": " + s.message());
             if (result r = remove_slots(l, h, drop_indices_.data(), std::int32_t(k)); !r) return r;
         }
-        if (on_layer_evicted) on_layer_evicted(l, before, layer_pages(l));
+        report_pages(l);
         return result::success();
     }
     kvevict::decode_schedule_options schedule_options() const {
@@ -338,7 +346,6 @@ private:
             for (int h = 0; h < H; ++h) protect_head(&util_protected_[slot_index(l, h, 0)], cache_.length(l, h));
         return util_protected_.data();
     }
-    // Removes the ascending slots drop[0..n) of head (l, h): kept rows move down in order.
     /// Drops slots drop[0..n) (ascending) of head h of layer l: the kept rows (key, value, position,
     /// utility) move down in order; paged, the pages past the new length return to the free list.
     result remove_slots(int l, int h, const std::int32_t* drop, std::int32_t n) {
@@ -373,6 +380,7 @@ private:
     std::vector<std::int64_t> budgets_, capv_;
     std::vector<double> ratios_, share_;
     std::vector<unsigned char> clipped_;
+    std::vector<int> pages_before_, pages_after_;  ///< on_layer_evicted's arguments (n_kv_heads each)
     kvevict::lkv::decode_budget_scratch bs_;
     std::int64_t t_ = 0, peak_ = 0, last_drops_ = 0;
     int steps_ = 0;
