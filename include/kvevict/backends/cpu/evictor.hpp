@@ -276,37 +276,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   /// count, the workspace size and the exact kept count (frontend/plan.hpp). On error *out is
   /// untouched.
   template <class T>
-  status plan(const layer_inputs<T>& in, const budget_request& budget, eviction_plan* out, const plan_options& opt = {}) const {
-    typename FE::plan_request rq = this->owned_request();
-    rq.lengths = in.lengths.data;
-    rq.lengths_stride[0] = in.lengths.stride[0];
-    rq.lengths_stride[1] = in.lengths.stride[1];
-    rq.num_threads = resolve_threads(opt);
-    rq.sharded = opt.sharded;
-    auto backend_check = [&]() -> status {
-      if constexpr (FE::kind == kvevict::detail::budget_kind::score_driven && !has_apportion<Budgeter>::value) {
-        if (opt.sharded)
-          return status::error(errc::not_supported, "budgeter %s has no apportion_budgets: it cannot allocate over a sharded layer",
-                               Budgeter::name);
-      }
-      if (opt.num_threads < 0)
-        return status::error(errc::invalid_argument, "plan_options.num_threads = %d must be >= 0 (0: the backend's default)",
-                             opt.num_threads);
-      if (in.paged()) {  // plan time: host scratch, as kept_total's
-        std::vector<unsigned char> seen(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)));
-        KVEVICT_TRY(cpu::detail::check_pages(in, seen.data()));
-      }
-      if constexpr (Scorer::has_scores) {
-        // The policy's own table check (check_layer(params, kv_heads, head_dim, layer, num_layers),
-        // e.g. LKV-T's host tables), then the CPU implementation's.
-        if constexpr (cpu::detail::has_check_layer<Scorer>::value)
-          KVEVICT_TRY(Scorer::check_layer(p_.scorer, in.kv_heads(), in.head_dim(), in.layer_idx, in.num_layers));
-        return cpu::scorer_impl<Scorer>::check_layer(p_.scorer, in);
-      }
-      return {};
-    };
-    return FE::make_plan(in, p_, budget, rq, backend_check, [&](int nt) { return workspace_bytes(in, nt); }, out);
-  }
+  status plan(const layer_inputs<T>& in, const budget_request& budget, eviction_plan* out, const plan_options& opt = {}) const;
 
   /// Bytes of workspace run() needs for these shapes (independent of the data and the budget)
   /// with the threads plan_options gives (default: the backend's, or OpenMP's at this call).
@@ -372,200 +342,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
 
   template <class T>
   status run_impl(const eviction_plan& pl, const layer_inputs<T>& in, selection_view out, void* workspace, std::size_t workspace_bytes,
-                  float* maybe_scores, distributed::detail::layer_exchange* ex, const distributed::shard* sh) const {
-    const std::int64_t B = in.batch(), Hkv = in.kv_heads(), H = out_heads(in), S = in.capacity();
-    const std::int64_t Gq = in.queries.data ? in.group_size() : 1;  // query heads per KV head
-    const std::int64_t Gout = Hkv > 0 ? H / Hkv : 1;                 // out rows per KV head (Hkv = 0: refused below)
-    const std::int64_t rows = B * H;
-    const budget_request& budget = pl.budget;
-    auto len = [&](std::int64_t b, std::int64_t h) { return in.length(b, h); };
-    buffers buf{};
-    // Checks and step 1. Sharded, an error here is this rank's status in the exchange's first
-    // round (every rank learns it there), so nothing returns before the exchange.
-    const status local = [&]() -> status {
-      if (pl.sharded != (ex != nullptr))
-        return status::error(errc::invalid_argument, pl.sharded ? "plan was made with plan_options::sharded: call run_sharded()"
-                                                                : "run_sharded() needs a plan made with plan_options::sharded");
-      // The plan's thread count, within the per-thread scratch the workspace can hold; the
-      // workspace those threads and the current parameters need (O(threads) to count), never less
-      // than the plan's: a plan cannot make run() write past the caller's memory.
-      const int nt = std::max(1, std::min(pl.num_threads, cpu::detail::max_scratch_threads));
-      KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, this->workspace_bytes(in, nt))));
-      if (ex) KVEVICT_TRY(distributed::detail::layer_exchange::check_local(*sh, Hkv));
-      kvevict::detail::workspace_carver c(kvevict::detail::workspace_carver::align_up(workspace));
-      // The page table's duplicate check first, in the workspace (a plan may be reused with a new
-      // table of the same shape); its bytes are free again for the buffers.
-      const auto table_mark = c.mark();
-      KVEVICT_TRY(cpu::detail::check_pages(in, c.template carve<unsigned char>(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)))));
-      c.rewind(table_mark);
-      if (in.lengths.data || in.paged()) KVEVICT_TRY(FE::check_length_range(in.batch(), in.kv_heads(), in.capacity(), len));
-      KVEVICT_TRY(FE::check_layer_mean_lengths(p_, in.batch(), in.kv_heads(), len));
-      if (p_.check_finite) KVEVICT_TRY(check_finite(in));
-      buf = carve_all(c, in, nt);
-      buf.nt = nt;
-      // 1. plans, the budgets that need no scores, the "needs scoring" flags (front-end rules;
-      // sharded, the whole-layer allocation waits for every rank's plans)
-      for (std::int64_t b = 0; b < B; ++b)
-        KVEVICT_TRY(FE::sequence_budgets(in, p_, budget, b, H, len, buf.plans + b * H, buf.budgets + b * H, buf.need + b * H,
-                                         buf.layer, ex != nullptr));
-      return {};
-    }();
-    if (ex) {
-      KVEVICT_TRY(ex->agree(local, B, Gout, in.layer_idx, in.num_layers, distributed::detail::policy_fingerprint<Policy>(p_, budget),
-                            buf.plans));
-      if constexpr (FE::kind == kvevict::detail::budget_kind::whole_layer) {
-        // the whole-layer allocation over every rank's rows (the same on every rank); this rank's slice
-        KVEVICT_TRY(distributed::detail::local_layer_budgets(
-            *ex, B, H,
-            [&](std::int64_t, const kvevict::detail::head_plan* gp, std::int64_t Hg, std::int64_t* gb) {
-              return Budgeter::layer_budgets(p_.budgeter, budget, gp, Hg, sh->global_kv_heads, in.layer_idx, in.num_layers, gb, buf.layer);
-            },
-            buf.budgets));
-        for (std::int64_t b = 0; b < B; ++b) FE::need_flags(p_, buf.plans + b * H, buf.budgets + b * H, H, buf.need + b * H);
-      }
-    } else {
-      KVEVICT_TRY(local);
-    }
-    const int nt = buf.nt;
-    bool any_scoring = false;
-    for (std::int64_t r = 0; r < rows; ++r) any_scoring = any_scoring || buf.need[r];
-
-    // 2. scoring + GQA reduction (per (sequence, KV head)), then smoothing (per row)
-    if constexpr (Scorer::has_scores) {
-      if (any_scoring) {
-        cpu::detail::parallel_for_threads(nt, B * Hkv, [&](std::int64_t task, int tid) {
-          const std::int64_t b = task / Hkv, h = task % Hkv;
-          bool any_row = false;
-          for (std::int64_t g = 0; g < Gout; ++g) any_row = any_row || buf.need[b * H + h * Gout + g];
-          if (!any_row) return;
-          const std::int64_t L = in.length(b, h);
-          cpu::detail::head_job<Policy, T> job{&in, &p_, b, h, L, std::min<std::int64_t>(in.window(), L), 0};
-          job.rows_per_block = cpu::detail::block_rows(be_.score_block_bytes, Gq, L, job.w);
-          if constexpr (Spatial::needs_attention_drift) {
-            const auto& hp = buf.plans[b * H + h * Gout];
-            job.drift_topk = std::max<std::int64_t>(1, hp.base_budget - job.w);
-          }
-          float* grows = buf.grows + static_cast<std::int64_t>(tid) * Gq * S;
-          double* gdrift = buf.gdrift + static_cast<std::int64_t>(tid) * Gq;
-          float* grows2 = (has_secondary && !lazy_secondary) ? buf.grows2 + static_cast<std::int64_t>(tid) * Gq * S : nullptr;
-          std::fill(gdrift, gdrift + Gq, 0.0);  // a scorer that computes no drift leaves 0 (adaptive-window reads it)
-          cpu::scorer_impl<Scorer>::template score<Policy, T>(job, buf.scratch[tid], grows, gdrift, grows2);
-          const std::int64_t r0 = b * H + h * Gout;  // the KV head's first out row
-          if constexpr (has_secondary && !lazy_secondary)
-            cpu::detail::reduce_group_secondary(p_.gqa, grows2, Gq, Gout, L, S, buf.scores2 + r0 * S);
-          cpu::detail::reduce_group(p_.gqa, grows, gdrift, Gq, Gout, L, S, buf.scores + r0 * S, buf.drift + r0);
-        });
-        if (p_.gqa == gqa_reduction::layer_mean) {
-          for (std::int64_t b = 0; b < B; ++b) {
-            if (!buf.need[b * H]) continue;
-            cpu::detail::layer_mean_rows(buf.scores + b * H * S, buf.drift + b * H,
-                                         (has_secondary && !lazy_secondary) ? buf.scores2 + b * H * S : nullptr, H, in.length(b, 0), S);
-          }
-        }
-        cpu::detail::parallel_for_threads(nt, rows, [&](std::int64_t r, int tid) {
-          if (!buf.need[r]) return;
-          cpu::spatial_impl<Spatial>::smooth(p_.spatial, buf.scores + r * S, buf.plans[r].evictable_end(), buf.drift[r],
-                                             buf.tmp + static_cast<std::int64_t>(tid) * S,
-                                             buf.pre + static_cast<std::int64_t>(tid) * (S + 1),
-                                             buf.dq + static_cast<std::int64_t>(tid) * S);
-        });
-      }
-    }
-
-    // 3. score-driven budgets (the budgeter's CPU implementation moves budget between heads)
-    if constexpr (FE::kind == kvevict::detail::budget_kind::score_driven) {
-      if (ex) {
-        if constexpr (has_apportion<Budgeter>::value) {
-          KVEVICT_TRY(sharded_score_budgets(*ex, buf, B, H, S));
-        } else {  // plan() refuses such a plan; a hand-made one is refused here (on every rank alike)
-          return status::error(errc::not_supported, "budgeter %s has no apportion_budgets: it cannot allocate over a sharded layer",
-                               Budgeter::name);
-        }
-      } else {
-      std::vector<const float*> rowptr(static_cast<std::size_t>(H));
-      for (std::int64_t b = 0; b < B; ++b) {
-        for (std::int64_t h = 0; h < H; ++h) rowptr[static_cast<std::size_t>(h)] = buf.scores + (b * H + h) * S;
-        cpu::budgeter_impl<Budgeter>::score_budgets(p_.budgeter, buf.plans + b * H, rowptr.data(), H, buf.budgets + b * H);
-      }
-      }
-    }
-
-    // 4. capacity, then selection
-    std::int64_t total = 0;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      buf.offsets[r] = total;
-      total += FE::kept(buf.plans[r], buf.budgets[r]);
-    }
-    const status fits = kvevict::detail::check_kept_total(total, out.capacity);
-    if (ex) KVEVICT_TRY(ex->finish(fits));  // sharded: every rank writes, or none
-    KVEVICT_TRY(fits);
-    if constexpr (lazy_secondary) {
-      // layer_mean: one secondary row per sequence, the fp64 mean of its heads' rows in head order,
-      // computed in parallel over token ranges (aligned to the value-norm blocks)
-      if (p_.gqa == gqa_reduction::layer_mean) {
-        for (std::int64_t b = 0; b < B; ++b) {
-          if (!buf.need[b * H]) continue;
-          const std::int64_t L = in.length(b, 0);
-          constexpr std::int64_t blk = cpu::detail::value_norm_token_block;
-          const std::int64_t chunk = std::max<std::int64_t>(blk, (L + nt * blk - 1) / (nt * blk) * blk);
-          const std::int64_t nchunks = (L + chunk - 1) / chunk;
-          cpu::detail::parallel_for_threads(nt, nchunks, [&](std::int64_t ci, int tid) {
-            const std::int64_t t0 = ci * chunk, t1 = std::min(L, t0 + chunk);
-            double* acc = buf.u_acc;
-            float* u = buf.u_row + static_cast<std::int64_t>(tid) * S;
-            cpu::detail::head_scratch us = buf.u_scratch(tid);
-            std::fill(acc + t0, acc + t1, 0.0);
-            for (std::int64_t ho = 0; ho < H; ++ho) {
-              secondary_of_row(in, b, ho, Gq, Gout, L, t0, t1, Gout == Gq ? nullptr : buf.u_g + static_cast<std::int64_t>(tid) * Gq * S, us, u);
-              for (std::int64_t n = t0; n < t1; ++n) acc[n] += u[n];
-            }
-            float* u0 = buf.scores2 + b * S;
-            for (std::int64_t n = t0; n < t1; ++n) u0[n] = static_cast<float>(acc[n] / static_cast<double>(H));
-          });
-        }
-      }
-    }
-    cpu::detail::parallel_for_threads(nt, rows, [&](std::int64_t r, int tid) {
-      const std::int64_t b = r / H, hk = (r % H) / Gout;
-      std::int32_t* dst = out.indices + buf.offsets[r];
-      const float* sc = (Scorer::has_scores && buf.need[r]) ? buf.scores + r * S : nullptr;
-      const float* sc2 = nullptr;
-      if constexpr (lazy_secondary) {
-        if (sc && p_.gqa == gqa_reduction::layer_mean) {
-          sc2 = buf.scores2 + b * S;
-        } else if (sc) {
-          float* u = buf.u_row + static_cast<std::int64_t>(tid) * S;
-          cpu::detail::head_scratch us = buf.u_scratch(tid);
-          const std::int64_t L = in.length(b, hk);
-          secondary_of_row(in, b, r % H, Gq, Gout, L, 0, L, Gout == Gq ? nullptr : buf.u_g + static_cast<std::int64_t>(tid) * Gq * S, us,
-                           u);
-          sc2 = u;
-        }
-      } else if constexpr (has_secondary) {
-        sc2 = buf.scores2 + r * S;
-      }
-      const std::int64_t n = cpu::selector_impl<Selector>::select(
-          p_.selector, buf.plans[r], buf.budgets[r], sc, sc2, dst,
-          buf.idx + static_cast<std::int64_t>(tid) * S, has_secondary ? buf.tmp + static_cast<std::int64_t>(tid) * S : nullptr);
-      if (out.positions) {
-        for (std::int64_t i = 0; i < n; ++i)
-          out.positions[buf.offsets[r] + i] = in.positions.data ? in.positions(b, hk, dst[i]) : dst[i];
-      }
-    });
-    out.indptr[0] = 0;
-    for (std::int64_t r = 0; r < rows; ++r)
-      out.indptr[r + 1] = static_cast<std::int32_t>(buf.offsets[r] + FE::kept(buf.plans[r], buf.budgets[r]));
-    if (maybe_scores) {
-      for (std::int64_t r = 0; r < rows; ++r) {
-        float* o = maybe_scores + r * S;
-        std::fill(o, o + S, 0.0f);
-        if (!(Scorer::has_scores && buf.need[r])) continue;
-        const auto& hp = buf.plans[r];
-        for (std::int64_t n = hp.sinks; n < hp.evictable_end(); ++n) o[n] = buf.scores[r * S + n];
-      }
-    }
-    return {};
-  }
+                  float* maybe_scores, distributed::detail::layer_exchange* ex, const distributed::shard* sh) const;
 
   struct buffers;
   /// Sharded score-driven budgets: the global winners (exchange rounds 3-7), the budgeter's
@@ -637,22 +414,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   }
 
   template <class T>
-  std::size_t workspace_bytes(const layer_inputs<T>& in, int nt) const {
-    // Shapes that fail validation need no workspace (run() reports the error); this also keeps
-    // the sizing arithmetic away from zero or negative extents.
-    if (!shapes_ok(in)) return 0;
-    kvevict::detail::workspace_carver c;
-    carve_all(c, in, nt);
-    // run() checks a paged cache's table in the same bytes first (one byte per page)
-    if (c.bytes() < static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in))) {
-      kvevict::detail::workspace_carver t;
-      (void)t.template carve<unsigned char>(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)));
-      return t.bytes() + kvevict::detail::workspace_carver::alignment;
-    }
-    // + alignment: run() aligns the caller's pointer itself, so any address works (and gives
-    // the same results: Eigen's vectorised loops peel by address).
-    return c.bytes() + kvevict::detail::workspace_carver::alignment;
-  }
+  std::size_t workspace_bytes(const layer_inputs<T>& in, int nt) const;
 
   template <class T, class Carver>
   buffers carve_all(Carver& c, const layer_inputs<T>& in, int nt) const {
@@ -780,5 +542,261 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   using api_base::p_;
   cpu::backend be_;
 };
+
+// The three members that instantiate the stages, defined outside the class: not inline, so that
+// an explicit instantiation declaration (kvevict/backends/cpu/compiled.hpp, the compiled mode) keeps a
+// user translation unit from instantiating them (a compiler may instantiate an inline function
+// for inlining even when it is declared extern).
+template <class Policy>
+template <class T>
+status evictor<Policy, cpu::backend>::plan(const layer_inputs<T>& in, const budget_request& budget, eviction_plan* out, const plan_options& opt) const {
+  typename FE::plan_request rq = this->owned_request();
+  rq.lengths = in.lengths.data;
+  rq.lengths_stride[0] = in.lengths.stride[0];
+  rq.lengths_stride[1] = in.lengths.stride[1];
+  rq.num_threads = resolve_threads(opt);
+  rq.sharded = opt.sharded;
+  auto backend_check = [&]() -> status {
+    if constexpr (FE::kind == kvevict::detail::budget_kind::score_driven && !has_apportion<Budgeter>::value) {
+      if (opt.sharded)
+        return status::error(errc::not_supported, "budgeter %s has no apportion_budgets: it cannot allocate over a sharded layer",
+                             Budgeter::name);
+    }
+    if (opt.num_threads < 0)
+      return status::error(errc::invalid_argument, "plan_options.num_threads = %d must be >= 0 (0: the backend's default)",
+                           opt.num_threads);
+    if (in.paged()) {  // plan time: host scratch, as kept_total's
+      std::vector<unsigned char> seen(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)));
+      KVEVICT_TRY(cpu::detail::check_pages(in, seen.data()));
+    }
+    if constexpr (Scorer::has_scores) {
+      // The policy's own table check (check_layer(params, kv_heads, head_dim, layer, num_layers),
+      // e.g. LKV-T's host tables), then the CPU implementation's.
+      if constexpr (cpu::detail::has_check_layer<Scorer>::value)
+        KVEVICT_TRY(Scorer::check_layer(p_.scorer, in.kv_heads(), in.head_dim(), in.layer_idx, in.num_layers));
+      return cpu::scorer_impl<Scorer>::check_layer(p_.scorer, in);
+    }
+    return {};
+  };
+  return FE::make_plan(in, p_, budget, rq, backend_check, [&](int nt) { return workspace_bytes(in, nt); }, out);
+}
+
+template <class Policy>
+template <class T>
+status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const layer_inputs<T>& in, selection_view out, void* workspace,
+                                              std::size_t workspace_bytes, float* maybe_scores,
+                                              distributed::detail::layer_exchange* ex, const distributed::shard* sh) const {
+  const std::int64_t B = in.batch(), Hkv = in.kv_heads(), H = out_heads(in), S = in.capacity();
+  const std::int64_t Gq = in.queries.data ? in.group_size() : 1;  // query heads per KV head
+  const std::int64_t Gout = Hkv > 0 ? H / Hkv : 1;                 // out rows per KV head (Hkv = 0: refused below)
+  const std::int64_t rows = B * H;
+  const budget_request& budget = pl.budget;
+  auto len = [&](std::int64_t b, std::int64_t h) { return in.length(b, h); };
+  buffers buf{};
+  // Checks and step 1. Sharded, an error here is this rank's status in the exchange's first
+  // round (every rank learns it there), so nothing returns before the exchange.
+  const status local = [&]() -> status {
+    if (pl.sharded != (ex != nullptr))
+      return status::error(errc::invalid_argument, pl.sharded ? "plan was made with plan_options::sharded: call run_sharded()"
+                                                              : "run_sharded() needs a plan made with plan_options::sharded");
+    // The plan's thread count, within the per-thread scratch the workspace can hold; the
+    // workspace those threads and the current parameters need (O(threads) to count), never less
+    // than the plan's: a plan cannot make run() write past the caller's memory.
+    const int nt = std::max(1, std::min(pl.num_threads, cpu::detail::max_scratch_threads));
+    KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, this->workspace_bytes(in, nt))));
+    if (ex) KVEVICT_TRY(distributed::detail::layer_exchange::check_local(*sh, Hkv));
+    kvevict::detail::workspace_carver c(kvevict::detail::workspace_carver::align_up(workspace));
+    // The page table's duplicate check first, in the workspace (a plan may be reused with a new
+    // table of the same shape); its bytes are free again for the buffers.
+    const auto table_mark = c.mark();
+    KVEVICT_TRY(cpu::detail::check_pages(in, c.template carve<unsigned char>(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)))));
+    c.rewind(table_mark);
+    if (in.lengths.data || in.paged()) KVEVICT_TRY(FE::check_length_range(in.batch(), in.kv_heads(), in.capacity(), len));
+    KVEVICT_TRY(FE::check_layer_mean_lengths(p_, in.batch(), in.kv_heads(), len));
+    if (p_.check_finite) KVEVICT_TRY(check_finite(in));
+    buf = carve_all(c, in, nt);
+    buf.nt = nt;
+    // 1. plans, the budgets that need no scores, the "needs scoring" flags (front-end rules;
+    // sharded, the whole-layer allocation waits for every rank's plans)
+    for (std::int64_t b = 0; b < B; ++b)
+      KVEVICT_TRY(FE::sequence_budgets(in, p_, budget, b, H, len, buf.plans + b * H, buf.budgets + b * H, buf.need + b * H,
+                                       buf.layer, ex != nullptr));
+    return {};
+  }();
+  if (ex) {
+    KVEVICT_TRY(ex->agree(local, B, Gout, in.layer_idx, in.num_layers, distributed::detail::policy_fingerprint<Policy>(p_, budget),
+                          buf.plans));
+    if constexpr (FE::kind == kvevict::detail::budget_kind::whole_layer) {
+      // the whole-layer allocation over every rank's rows (the same on every rank); this rank's slice
+      KVEVICT_TRY(distributed::detail::local_layer_budgets(
+          *ex, B, H,
+          [&](std::int64_t, const kvevict::detail::head_plan* gp, std::int64_t Hg, std::int64_t* gb) {
+            return Budgeter::layer_budgets(p_.budgeter, budget, gp, Hg, sh->global_kv_heads, in.layer_idx, in.num_layers, gb, buf.layer);
+          },
+          buf.budgets));
+      for (std::int64_t b = 0; b < B; ++b) FE::need_flags(p_, buf.plans + b * H, buf.budgets + b * H, H, buf.need + b * H);
+    }
+  } else {
+    KVEVICT_TRY(local);
+  }
+  const int nt = buf.nt;
+  bool any_scoring = false;
+  for (std::int64_t r = 0; r < rows; ++r) any_scoring = any_scoring || buf.need[r];
+
+  // 2. scoring + GQA reduction (per (sequence, KV head)), then smoothing (per row)
+  if constexpr (Scorer::has_scores) {
+    if (any_scoring) {
+      cpu::detail::parallel_for_threads(nt, B * Hkv, [&](std::int64_t task, int tid) {
+        const std::int64_t b = task / Hkv, h = task % Hkv;
+        bool any_row = false;
+        for (std::int64_t g = 0; g < Gout; ++g) any_row = any_row || buf.need[b * H + h * Gout + g];
+        if (!any_row) return;
+        const std::int64_t L = in.length(b, h);
+        cpu::detail::head_job<Policy, T> job{&in, &p_, b, h, L, std::min<std::int64_t>(in.window(), L), 0};
+        job.rows_per_block = cpu::detail::block_rows(be_.score_block_bytes, Gq, L, job.w);
+        if constexpr (Spatial::needs_attention_drift) {
+          const auto& hp = buf.plans[b * H + h * Gout];
+          job.drift_topk = std::max<std::int64_t>(1, hp.base_budget - job.w);
+        }
+        float* grows = buf.grows + static_cast<std::int64_t>(tid) * Gq * S;
+        double* gdrift = buf.gdrift + static_cast<std::int64_t>(tid) * Gq;
+        float* grows2 = (has_secondary && !lazy_secondary) ? buf.grows2 + static_cast<std::int64_t>(tid) * Gq * S : nullptr;
+        std::fill(gdrift, gdrift + Gq, 0.0);  // a scorer that computes no drift leaves 0 (adaptive-window reads it)
+        cpu::scorer_impl<Scorer>::template score<Policy, T>(job, buf.scratch[tid], grows, gdrift, grows2);
+        const std::int64_t r0 = b * H + h * Gout;  // the KV head's first out row
+        if constexpr (has_secondary && !lazy_secondary)
+          cpu::detail::reduce_group_secondary(p_.gqa, grows2, Gq, Gout, L, S, buf.scores2 + r0 * S);
+        cpu::detail::reduce_group(p_.gqa, grows, gdrift, Gq, Gout, L, S, buf.scores + r0 * S, buf.drift + r0);
+      });
+      if (p_.gqa == gqa_reduction::layer_mean) {
+        for (std::int64_t b = 0; b < B; ++b) {
+          if (!buf.need[b * H]) continue;
+          cpu::detail::layer_mean_rows(buf.scores + b * H * S, buf.drift + b * H,
+                                       (has_secondary && !lazy_secondary) ? buf.scores2 + b * H * S : nullptr, H, in.length(b, 0), S);
+        }
+      }
+      cpu::detail::parallel_for_threads(nt, rows, [&](std::int64_t r, int tid) {
+        if (!buf.need[r]) return;
+        cpu::spatial_impl<Spatial>::smooth(p_.spatial, buf.scores + r * S, buf.plans[r].evictable_end(), buf.drift[r],
+                                           buf.tmp + static_cast<std::int64_t>(tid) * S,
+                                           buf.pre + static_cast<std::int64_t>(tid) * (S + 1),
+                                           buf.dq + static_cast<std::int64_t>(tid) * S);
+      });
+    }
+  }
+
+  // 3. score-driven budgets (the budgeter's CPU implementation moves budget between heads)
+  if constexpr (FE::kind == kvevict::detail::budget_kind::score_driven) {
+    if (ex) {
+      if constexpr (has_apportion<Budgeter>::value) {
+        KVEVICT_TRY(sharded_score_budgets(*ex, buf, B, H, S));
+      } else {  // plan() refuses such a plan; a hand-made one is refused here (on every rank alike)
+        return status::error(errc::not_supported, "budgeter %s has no apportion_budgets: it cannot allocate over a sharded layer",
+                             Budgeter::name);
+      }
+    } else {
+    std::vector<const float*> rowptr(static_cast<std::size_t>(H));
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t h = 0; h < H; ++h) rowptr[static_cast<std::size_t>(h)] = buf.scores + (b * H + h) * S;
+      cpu::budgeter_impl<Budgeter>::score_budgets(p_.budgeter, buf.plans + b * H, rowptr.data(), H, buf.budgets + b * H);
+    }
+    }
+  }
+
+  // 4. capacity, then selection
+  std::int64_t total = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    buf.offsets[r] = total;
+    total += FE::kept(buf.plans[r], buf.budgets[r]);
+  }
+  const status fits = kvevict::detail::check_kept_total(total, out.capacity);
+  if (ex) KVEVICT_TRY(ex->finish(fits));  // sharded: every rank writes, or none
+  KVEVICT_TRY(fits);
+  if constexpr (lazy_secondary) {
+    // layer_mean: one secondary row per sequence, the fp64 mean of its heads' rows in head order,
+    // computed in parallel over token ranges (aligned to the value-norm blocks)
+    if (p_.gqa == gqa_reduction::layer_mean) {
+      for (std::int64_t b = 0; b < B; ++b) {
+        if (!buf.need[b * H]) continue;
+        const std::int64_t L = in.length(b, 0);
+        constexpr std::int64_t blk = cpu::detail::value_norm_token_block;
+        const std::int64_t chunk = std::max<std::int64_t>(blk, (L + nt * blk - 1) / (nt * blk) * blk);
+        const std::int64_t nchunks = (L + chunk - 1) / chunk;
+        cpu::detail::parallel_for_threads(nt, nchunks, [&](std::int64_t ci, int tid) {
+          const std::int64_t t0 = ci * chunk, t1 = std::min(L, t0 + chunk);
+          double* acc = buf.u_acc;
+          float* u = buf.u_row + static_cast<std::int64_t>(tid) * S;
+          cpu::detail::head_scratch us = buf.u_scratch(tid);
+          std::fill(acc + t0, acc + t1, 0.0);
+          for (std::int64_t ho = 0; ho < H; ++ho) {
+            secondary_of_row(in, b, ho, Gq, Gout, L, t0, t1, Gout == Gq ? nullptr : buf.u_g + static_cast<std::int64_t>(tid) * Gq * S, us, u);
+            for (std::int64_t n = t0; n < t1; ++n) acc[n] += u[n];
+          }
+          float* u0 = buf.scores2 + b * S;
+          for (std::int64_t n = t0; n < t1; ++n) u0[n] = static_cast<float>(acc[n] / static_cast<double>(H));
+        });
+      }
+    }
+  }
+  cpu::detail::parallel_for_threads(nt, rows, [&](std::int64_t r, int tid) {
+    const std::int64_t b = r / H, hk = (r % H) / Gout;
+    std::int32_t* dst = out.indices + buf.offsets[r];
+    const float* sc = (Scorer::has_scores && buf.need[r]) ? buf.scores + r * S : nullptr;
+    const float* sc2 = nullptr;
+    if constexpr (lazy_secondary) {
+      if (sc && p_.gqa == gqa_reduction::layer_mean) {
+        sc2 = buf.scores2 + b * S;
+      } else if (sc) {
+        float* u = buf.u_row + static_cast<std::int64_t>(tid) * S;
+        cpu::detail::head_scratch us = buf.u_scratch(tid);
+        const std::int64_t L = in.length(b, hk);
+        secondary_of_row(in, b, r % H, Gq, Gout, L, 0, L, Gout == Gq ? nullptr : buf.u_g + static_cast<std::int64_t>(tid) * Gq * S, us,
+                         u);
+        sc2 = u;
+      }
+    } else if constexpr (has_secondary) {
+      sc2 = buf.scores2 + r * S;
+    }
+    const std::int64_t n = cpu::selector_impl<Selector>::select(
+        p_.selector, buf.plans[r], buf.budgets[r], sc, sc2, dst,
+        buf.idx + static_cast<std::int64_t>(tid) * S, has_secondary ? buf.tmp + static_cast<std::int64_t>(tid) * S : nullptr);
+    if (out.positions) {
+      for (std::int64_t i = 0; i < n; ++i)
+        out.positions[buf.offsets[r] + i] = in.positions.data ? in.positions(b, hk, dst[i]) : dst[i];
+    }
+  });
+  out.indptr[0] = 0;
+  for (std::int64_t r = 0; r < rows; ++r)
+    out.indptr[r + 1] = static_cast<std::int32_t>(buf.offsets[r] + FE::kept(buf.plans[r], buf.budgets[r]));
+  if (maybe_scores) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* o = maybe_scores + r * S;
+      std::fill(o, o + S, 0.0f);
+      if (!(Scorer::has_scores && buf.need[r])) continue;
+      const auto& hp = buf.plans[r];
+      for (std::int64_t n = hp.sinks; n < hp.evictable_end(); ++n) o[n] = buf.scores[r * S + n];
+    }
+  }
+  return {};
+}
+
+template <class Policy>
+template <class T>
+std::size_t evictor<Policy, cpu::backend>::workspace_bytes(const layer_inputs<T>& in, int nt) const {
+  // Shapes that fail validation need no workspace (run() reports the error); this also keeps
+  // the sizing arithmetic away from zero or negative extents.
+  if (!shapes_ok(in)) return 0;
+  kvevict::detail::workspace_carver c;
+  carve_all(c, in, nt);
+  // run() checks a paged cache's table in the same bytes first (one byte per page)
+  if (c.bytes() < static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in))) {
+    kvevict::detail::workspace_carver t;
+    (void)t.template carve<unsigned char>(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)));
+    return t.bytes() + kvevict::detail::workspace_carver::alignment;
+  }
+  // + alignment: run() aligns the caller's pointer itself, so any address works (and gives
+  // the same results: Eigen's vectorised loops peel by address).
+  return c.bytes() + kvevict::detail::workspace_carver::alignment;
+}
 
 }  // namespace kvevict
