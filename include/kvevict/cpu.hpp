@@ -19,3 +19,9 @@
 #include "kvevict/backends/cpu/selectors/two_stage.hpp"
 #include "kvevict/backends/cpu/smoothers.hpp"
 #include "kvevict/backends/cpu/wo_factor.hpp"
+
+// The compiled mode (kvevict::compiled defines KVEVICT_COMPILED): the presets' instantiations live
+// in the library; this declares them extern (docs/compiled-mode.md).
+#if defined(KVEVICT_COMPILED)
+#include "kvevict/backends/cpu/compiled.hpp"
+#endif

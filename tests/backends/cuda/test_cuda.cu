@@ -668,7 +668,7 @@ TEST_CASE("cuda vs cpu: LKV policies (learned scorer and budgets) over the grid"
 
 TEST_CASE("cuda vs cpu: LKV with the trained stories260K artifact") {
   kv::io::lkv_artifact art;
-  const kv::status rd = kv::io::read_lkv_artifact(KVEVICT_TEST_LKV_ARTIFACT, &art);
+  const kv::status rd = kv::io::read_lkv_artifact((std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/stories260K.lkv").c_str(), &art);
   REQUIRE_MESSAGE(rd.ok(), rd.message());
   kv::cuda::lkv_device_tables tables;
   const kv::status up = tables.upload(art);
@@ -1492,7 +1492,7 @@ TEST_CASE("cuda vs cpu: the engine's eviction path on real stories260K layers") 
     return;
   }
   kv::io::lkv_artifact art;
-  const kv::status rd = kv::io::read_lkv_artifact(KVEVICT_TEST_LKV_ARTIFACT, &art);
+  const kv::status rd = kv::io::read_lkv_artifact((std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/stories260K.lkv").c_str(), &art);
   REQUIRE_MESSAGE(rd.ok(), rd.message());
   kv::cuda::lkv_device_tables tables;
   const kv::status up = tables.upload(art);
