@@ -18,7 +18,7 @@
 # Environment: FUZZ_BUILD_DIR (default build-fuzz), FUZZ_SECONDS (default 60), FUZZ_SEED (default
 # 1; 0 = random), FUZZ_CXX (default clang++-14, else clang++), JOBS (default nproc). Needs clang
 # and the compiler-rt fuzzer runtime (Debian: clang-14 libclang-rt-14-dev; scripts/setup.sh
-# installs both).
+# installs both). ccache as in scripts/test.sh (scripts/build_env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
@@ -29,7 +29,8 @@ if [ -z "${FUZZ_CXX:-}" ]; then
   if command -v clang++-14 >/dev/null 2>&1; then FUZZ_CXX=clang++-14; else FUZZ_CXX=clang++; fi
 fi
 t0=$(date +%s)
-cmake -S tests/fuzz -B "$BUILD_DIR" -DCMAKE_CXX_COMPILER="$FUZZ_CXX" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+. scripts/build_env.sh "$BUILD_DIR"
+cmake -S tests/fuzz -B "$BUILD_DIR" "${KVEVICT_CMAKE_ARGS[@]}" -DCMAKE_CXX_COMPILER="$FUZZ_CXX" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$BUILD_DIR" -j "$JOBS" --target fuzz_evictor
 t1=$(date +%s)
 mkdir -p "$BUILD_DIR/corpus" "$BUILD_DIR/artifacts"

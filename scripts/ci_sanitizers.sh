@@ -10,8 +10,13 @@
 # overflow, which GCC's does not).
 # Only the test executables are built (not the examples or benchmarks): the list comes from
 # ctest itself, so a new test area is picked up without editing this script.
-# Flags: -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer, -O1 -g,
-# asserts ON (no NDEBUG: Eigen's and kvevict's internal assertions run too).
+# Flags: -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer, -O1 with
+# line tables only (clang -gline-tables-only, g++ -g1: reports are symbolised with file and line; no
+# variable info, which no sanitizer report reads, and a third of the compile time of -g), asserts ON
+# (no NDEBUG: Eigen's and kvevict's internal assertions run too).
+# The translation units are the main build's: the tests link kvevict::compiled, built here once
+# with the same sanitizer flags (docs/compiled-mode.md). ccache as in scripts/test.sh
+# (scripts/build_env.sh).
 # Suppressions: for LeakSanitizer only (written to $BUILD_DIR/lsan.supp below), two groups:
 #   leak:___kmp_allocate
 # Reason: LLVM's OpenMP runtime (libomp, clang's -fopenmp) allocates team/thread descriptors with
@@ -37,16 +42,16 @@ if [ -z "${SAN_CXX:-}" ]; then
   if command -v clang++-14 >/dev/null 2>&1; then SAN_CXX=clang++-14; else SAN_CXX=g++; fi
 fi
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+case "$SAN_CXX" in *clang*) DBG=-gline-tables-only ;; *) DBG=-g1 ;; esac
 t0=$(date +%s)
 
 # Ninja builds the test targets in parallel; with Makefiles CMake's top-level Makefile is
 # .NOTPARALLEL across targets, so the fallback below runs one `cmake --build` per target.
-GEN=()
-if command -v ninja >/dev/null 2>&1 && [ ! -f "$BUILD_DIR/Makefile" ]; then GEN=(-G Ninja); fi
-cmake -S . -B "$BUILD_DIR" "${GEN[@]}" \
+. scripts/build_env.sh "$BUILD_DIR"
+cmake -S . -B "$BUILD_DIR" "${KVEVICT_CMAKE_ARGS[@]}" \
   -DCMAKE_CXX_COMPILER="$SAN_CXX" \
   -DCMAKE_BUILD_TYPE=Sanitize \
-  -DCMAKE_CXX_FLAGS_SANITIZE="-O1 -g" \
+  -DCMAKE_CXX_FLAGS_SANITIZE="-O1 $DBG" \
   -DCMAKE_CXX_FLAGS="$SAN" \
   -DCMAKE_EXE_LINKER_FLAGS="$SAN" \
   -DKVEVICT_ENABLE_CUDA=OFF \

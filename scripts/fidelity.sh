@@ -46,7 +46,8 @@ if [[ $smoke == 1 ]]; then stem=fidelity_smoke; fi
 
 "$root/scripts/setup.sh" main
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVEVICT_ENABLE_CUDA=OFF -DKVEVICT_BUILD_TESTS=OFF \
-  -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_EXAMPLES=ON -DKVEVICT_BUILD_PYTHON=OFF >/dev/null
+  -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_EXAMPLES=ON -DKVEVICT_BUILD_PYTHON=OFF -DKVEVICT_USE_COMPILED=OFF >/dev/null
+# (header-only: its five units instantiate only the presets the report runs, cheaper than the compiled mode's seven)
 cmake --build "$build" -j"${JOBS:-2}" --target kvevict_fidelity kvevict_decoding
 # report DIR TITLE [extra flags]: run, table, plot into DIR. Returns 10 when kvevict_fidelity skipped (model
 # or text missing, it said why); any error exits the script with its status.

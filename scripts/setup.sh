@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what kvevict's build, tests and main job need, from Debian's archive (idempotent).
 # Needs root (or sudo). Skips apt-get when everything is already installed.
-#   scripts/setup.sh        everything: build, tests (doctest, Open MPI for the distributed tests, PyTorch for the LKV smoke training,
+#   scripts/setup.sh        everything: build (Ninja, ccache), tests (doctest, Open MPI for the distributed tests, PyTorch for the LKV smoke training,
 #                           clang for the fuzzer), benchmarks
 #   scripts/setup.sh main   only what the main job (scripts/fidelity.sh) needs (bible-kjv: its second text)
 #   scripts/setup.sh python only what the Python binding needs (scripts/install_python.sh)
@@ -13,7 +13,7 @@ elif [ "${1:-all}" = python ]; then
 else
   pkgs=(cmake make g++ libeigen3-dev doctest-dev libbenchmark-dev python3 python3-torch python3-matplotlib python3-numpy
         clang libclang-rt-14-dev python3-dev pybind11-dev python3-pybind11 libdlpack-dev python3-pytest
-        bible-kjv bible-kjv-text openmpi-bin libopenmpi-dev)
+        bible-kjv bible-kjv-text openmpi-bin libopenmpi-dev ccache ninja-build)
 fi
 missing=()
 for p in "${pkgs[@]}"; do
