@@ -1,4 +1,6 @@
 // Consumer check: the installed package compiles and runs an eviction (SnapKV, CPU backend).
+// Built twice by each consumer: header-only (kvevict::cpu) and in the compiled mode
+// (kvevict::compiled, which defines KVEVICT_COMPILED: the evictor's instantiation is the library's).
 #include <kvevict/cpu.hpp>
 
 #include <cstdio>
@@ -21,6 +23,11 @@ int main() {
     std::fprintf(stderr, "consumer: %s (kept %d)\n", st.message(), indptr[1]);
     return 1;
   }
-  std::printf("consumer: kept %d of %d tokens\n", indptr[1], seq);
+#ifdef KVEVICT_COMPILED
+  const char* mode = "compiled mode";
+#else
+  const char* mode = "header-only";
+#endif
+  std::printf("consumer (%s): kept %d of %d tokens\n", mode, indptr[1], seq);
   return 0;
 }
