@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -335,8 +336,12 @@ struct contract {
     return std::min(r, L - sinks);
   }
 
-  template <class LenF, class PosF>
-  std::string check(const result& res, LenF lengths, PosF positions, std::int64_t batch) const {
+  /// Not a template (one copy per translation unit, not one per preset x storage type: the
+  /// robustness units and the fuzzer call it for every combination; docs/compiled-mode.md).
+  using lengths_fn = std::function<std::int64_t(std::int64_t b, std::int64_t hkv)>;
+  using positions_fn = std::function<std::int32_t(std::int64_t b, std::int64_t hkv, std::int32_t slot)>;
+  std::string check(const result& res, const lengths_fn& lengths, const positions_fn& positions,
+                    std::int64_t batch) const {
     auto fail = [](const std::string& s) { return s; };
     const std::int64_t rows = batch * out_heads;
     if (res.rows != rows) return fail("rows " + std::to_string(res.rows) + " != " + std::to_string(rows));
