@@ -1,22 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// libFuzzer target over kvevict's public CPU API: evictor<Preset, cpu::backend> for every preset
-// and storage type, with random shapes, strides (padding, NHD/HND, broadcast), lengths,
-// positions, budgets, parameters and values (NaN, +-inf, denormals, FLT_MAX, fp16 max, huge and
-// tiny norms), and workspaces full of garbage.
-//
-// Asserts (abort on violation, so libFuzzer records a crash):
-//  * no crash, no sanitizer report, no out-of-bounds access on exactly sized buffers;
-//  * either a clear error - can_implement() and run() agree, the message starts with the error
-//    category, max_selected() == -1, no output written - or a valid result: kept count exactly
-//    max_selected(), indices strictly ascending, unique, inside [0, L) of the head (pads never
-//    kept), protected sink and recent tokens present, pass-through heads whole, candidates
-//    ranked by the returned final scores, maybe_scores finite everywhere (robust::contract);
-//  * errc::non_finite_input is reported iff check_finite is on and the VALID region of a tensor
-//    the scorer reads holds NaN/inf (pads are never scanned);
-//  * a second run with other garbage in the workspace and another thread count gives the same
-//    bytes; compact_ragged() of the selection gathers exactly the selected rows.
-//
-// Input format: docs/failure-kinds.md ("Fuzzing"); tests/fuzz/make_seeds.py writes the seed corpus.
+// The libFuzzer target's test case, shared by its translation units (tests/fuzz/fuzz_evictor.cpp
+// is the entry point; fuzz_presets_a.cpp and fuzz_presets_b.cpp instantiate run_case for half of
+// the presets each, so the two compile in parallel). What it asserts: fuzz_evictor.cpp.
+#pragma once
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -26,7 +12,7 @@
 
 #include "robustness/robust_common.hpp"
 
-namespace {
+namespace kvevict_fuzz {
 
 using namespace robust;
 
@@ -51,12 +37,12 @@ struct reader {
 
 /// KVEVICT_FUZZ_VERBOSE=1: print what each input did (error message or kept/total), e.g. to
 /// check that a corpus reaches valid results: fuzz_evictor -runs=0 tests/fuzz/corpus.
-bool verbose() {
+inline bool verbose() {
   static const bool v = std::getenv("KVEVICT_FUZZ_VERBOSE") != nullptr;
   return v;
 }
 
-[[noreturn]] void die(const char* what, const char* detail) {
+[[noreturn]] inline void die(const char* what, const char* detail) {
   std::fprintf(stderr, "kvevict fuzz invariant violated: %s %s\n", what, detail ? detail : "");
   std::abort();
 }
@@ -68,7 +54,7 @@ bool verbose() {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-float special(std::uint8_t b) {
+inline float special(std::uint8_t b) {
   const float table[] = {kNaN,     kInf,      -kInf,    std::numeric_limits<float>::denorm_min(),
                          3.0e38f,  -3.4e38f,  65504.0f, -65504.0f,
                          0.0f,     -0.0f,     1.0e-40f, 1.0e20f,
@@ -77,7 +63,7 @@ float special(std::uint8_t b) {
 }
 
 /// A float from a parameter byte: mostly small ordinary values, sometimes extreme ones.
-float param_float(reader& r, float ordinary) {
+inline float param_float(reader& r, float ordinary) {
   const std::uint8_t m = r.u8();
   if (m < 128) return ordinary;
   if (m < 192) return special(r.u8());
@@ -378,22 +364,11 @@ void dispatch_type(reader& r) {
   }
 }
 
-}  // namespace
+/// Runs the case of preset number `which` (the first input byte modulo 10; the numbering is the
+/// corpus format, docs/failure-kinds.md): 0 restkv, 1 snapkv, 2 pyramidkv, 3 adakv, 4 h2o, 5 tova,
+/// 6 streaming_llm, 7 key_norm, 8 criticalkv, 9 critical_adakv. run_presets_a takes 0, 4-7
+/// (fuzz_presets_a.cpp), run_presets_b 1-3, 8, 9 (fuzz_presets_b.cpp).
+void run_presets_a(int which, reader& r);
+void run_presets_b(int which, reader& r);
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  reader r{data, size};
-  using namespace kvevict::presets;
-  switch (r.u8() % 10) {
-    case 0: dispatch_type<restkv>(r); break;
-    case 1: dispatch_type<snapkv>(r); break;
-    case 2: dispatch_type<pyramidkv>(r); break;
-    case 3: dispatch_type<adakv>(r); break;
-    case 4: dispatch_type<h2o>(r); break;
-    case 5: dispatch_type<tova>(r); break;
-    case 6: dispatch_type<streaming_llm>(r); break;
-    case 7: dispatch_type<key_norm>(r); break;
-    case 8: dispatch_type<criticalkv>(r); break;
-    default: dispatch_type<critical_adakv>(r); break;
-  }
-  return 0;
-}
+}  // namespace kvevict_fuzz

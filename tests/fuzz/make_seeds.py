@@ -48,7 +48,7 @@ def seed(preset, dtype, *, nhd=False, queries=False, len_mode=0, check_finite=Tr
     b += struct.pack("<I", vseed)
     b += struct.pack("<b", exp2)
     b += bytes([poison, rates[0], rates[1], rates[2], ws_fill])
-    if wo_mode is not None:  # CriticalKV's W_O view and values (fuzz_evictor.cpp, wo_mode)
+    if wo_mode is not None:  # CriticalKV's W_O view and values (fuzz_case.hpp, wo_mode)
         b.append(wo_mode)
     return bytes(b)
 
