@@ -57,6 +57,7 @@ template <class F>
 void fields(kvevict::budgeters::pyramid::params& p, F&& f) {
   f("beta", p.beta);
   f("exact_total", p.exact_total);
+  f("num_tokens", p.num_tokens);
 }
 template <class F>
 void fields(kvevict::budgeters::adakv::params& p, F&& f) { f("alpha", p.alpha); }

@@ -1,6 +1,7 @@
 // The built-in budgeters (include/kvevict/policies/budgeters.hpp, backends/cpu/budgeters/):
 //  - PyramidKV (budgeters::pyramid): layer_candidates vs PyramidKV's integer code and the exact
-//    schedule, head_budget, its floor of 1 candidate for unprotected heads (attack);
+//    schedule, head_budget, its floor of 1 candidate for unprotected heads (attack), row_request
+//    (num_tokens: a common reference length, hand-computed budgets of short and long heads);
 //  - AdaKV (budgeters::adakv, cpu::detail::adakv_budgets): the head-wise allocation vs the
 //    documented formula, its floor (attack: adversarial plans vs the fp64 reference and the
 //    CUDA kernel's apportion_budgets call);
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -19,6 +21,48 @@
 #include "policies/policy_test_common.hpp"
 
 // ---- PyramidKV and AdaKV budgets, stage functions --------------------------------------------
+
+TEST_CASE("budget: pyramid with num_tokens plans every row from the pyramid of the common length (hand-computed)") {
+  using kvevict::budgeters::pyramid;
+  pyramid::params p;  // beta 20, exact
+  kvevict::selectors::topk::params sel;  // num_recent = -1: the window (8) is protected
+  const auto B = kvevict::budget_request::tokens(64);
+  // t = 300: P = 56, min = 2, max = 110, candidates 110, 74, 38, 2 -> budgets 118, 82, 46, 10.
+  auto budget = [&](std::int64_t L, int layer, std::int64_t* base = nullptr) {
+    const auto h = kvevict::detail::plan_row<pyramid>(p, B, sel, L, 8, 0, layer, 4);
+    if (base) *base = h.pass_through ? -1 : h.base_budget;
+    return kvevict::detail::kept_tokens(h, pyramid::head_budget(p, h, layer, 4));
+  };
+  p.num_tokens = 300;
+  std::int64_t base = 0;
+  CHECK(budget(26, 3, &base) == 10);  // shorter than B: evicted to its layer's budget, not passed through
+  CHECK(base == 10);
+  CHECK(budget(10, 3, &base) == 10);  // at its budget: whole
+  CHECK(base == -1);
+  CHECK(budget(134, 0) == 118);
+  CHECK(budget(100, 0, &base) == 100);  // below its layer's budget 118: whole
+  CHECK(base == -1);
+  CHECK(budget(300, 1) == 82);
+  CHECK(budget(90, 2) == 46);
+  // The layers' own lengths (num_tokens = 0): a short deep layer passes through whole.
+  p.num_tokens = 0;
+  CHECK(budget(26, 3) == 26);
+  CHECK(budget(300, 3) == 10);
+  // t below the budget: every row shorter than B passes through, as without num_tokens.
+  p.num_tokens = 50;
+  CHECK(budget(26, 3) == 26);
+  // t below a row's length: the row's own length is the reference.
+  p.num_tokens = 200;
+  for (int l = 0; l < 4; ++l) {
+    const std::int64_t with_t = budget(400, l);
+    p.num_tokens = 0;
+    CHECK(budget(400, l) == with_t);
+    p.num_tokens = 200;
+  }
+  p.num_tokens = -1;
+  CHECK_FALSE(pyramid::check(p).ok());
+  CHECK(std::string(pyramid::check(p).message()).find("budgeter.num_tokens = -1") != std::string::npos);
+}
 
 TEST_CASE("budget: pyramid matches PyramidKV's integer code (exact_total = false) and sums exactly otherwise") {
   kvtest::rng r(17);
@@ -164,6 +208,15 @@ TEST_CASE("budgeters through the evictor: PyramidKV (integer and exact) and AdaK
       const std::string diff = kvtest::compare(lib, kvtest::reference_run(pr, cc));
       CHECK_MESSAGE(diff.empty(), diff);
       CHECK(lib.indptr.back() == ev.max_selected(st.in, kv::budget_request::tokens(24)));
+      // num_tokens = the heads' common length (a decode schedule's prefill eviction): the same selection
+      auto pt = p;
+      pt.budgeter.num_tokens = s.cap;
+      kv::evictor<kv::presets::pyramidkv, kv::cpu::backend> evt(pt);
+      const auto same = kvtest::run_lib(evt, st.in, kv::budget_request::tokens(24));
+      CHECK(same.st.ok());
+      CHECK(same.indptr == lib.indptr);
+      CHECK(same.indices == lib.indices);
+      CHECK(std::memcmp(same.scores.data(), lib.scores.data(), lib.scores.size() * sizeof(float)) == 0);
     }
   }
   {

@@ -202,6 +202,7 @@ TEST_CASE("decode_schedule: apply() applies prefix and recent protection to ever
     REQUIRE(s.apply(a, d, 32, &b).ok());
     auto y = kvevict::presets::pyramidkv::defaults();
     REQUIRE(s.apply(a, y, 32, &b).ok());
+    CHECK(y.budgeter.num_tokens == 100);  // PyramidKV's pyramid: of the tokens seen, the layers' common length
     auto l = kvevict::lkv::full::defaults();
     REQUIRE(s.apply(a, l, 0, &b).ok());
     CHECK(l.selector.num_recent == 8);

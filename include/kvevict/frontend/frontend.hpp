@@ -128,6 +128,40 @@ KVEVICT_HOST_DEVICE inline void initial_row_budget(const typename Budgeter::para
   }
 }
 
+/// A per-head budgeter whose rows are planned with a request of their own (budgeters::pyramid
+/// with num_tokens: the layer's budget from a common reference length) declares
+///   template <class Protection> static budget_request row_request(const params&, const budget_request& req,
+///       const Protection&, int64 L, int64 window, int64 prefix, int layer, int num_layers);   // host and device
+/// plan_row then plans the row with that request instead of `req`.
+struct protection_probe {
+  std::int32_t num_sink = 0;
+  std::int32_t num_recent = 0;
+  float recent_share = -1.0f;
+};
+template <class Bu, class = void>
+struct has_row_request : std::false_type {};
+template <class Bu>
+struct has_row_request<Bu, std::void_t<decltype(Bu::row_request(std::declval<const typename Bu::params&>(),
+                                                                 std::declval<const budget_request&>(),
+                                                                 std::declval<const protection_probe&>(), std::int64_t{},
+                                                                 std::int64_t{}, std::int64_t{}, int{}, int{}))>>
+    : std::true_type {};
+
+/// The head plan of a row of L tokens of layer `layer` (host and device; frontend::row_plan and the
+/// CUDA plan kernel): plan_head_protected with the budgeter's row_request when it has one.
+template <class Budgeter, class Protection>
+KVEVICT_HOST_DEVICE inline head_plan plan_row(const typename Budgeter::params& bp, const budget_request& req, const Protection& sp,
+                                              std::int64_t L, std::int64_t window, std::int64_t prefix, int layer, int num_layers) {
+  if constexpr (has_row_request<Budgeter>::value) {
+    return plan_head_protected(Budgeter::row_request(bp, req, sp, L, window, prefix, layer, num_layers), sp, L, window, prefix);
+  } else {
+    (void)bp;
+    (void)layer;
+    (void)num_layers;
+    return plan_head_protected(req, sp, L, window, prefix);
+  }
+}
+
 /// Kept tokens of a row: its budget, never more than its length (host and device).
 KVEVICT_HOST_DEVICE inline std::int64_t kept_tokens(const head_plan& pl, std::int64_t budget) {
   return budget < pl.length ? budget : pl.length;
@@ -243,7 +277,7 @@ struct frontend {
   static head_plan row_plan(const layer_inputs<T>& in, const params_type& p, const budget_request& budget, std::int64_t L,
                             std::int64_t b) {
     const std::int64_t prefix = in.paged() ? in.pages.prefix(b) : 0;
-    return plan_head_protected(budget, p.selector, L, in.window(), prefix);
+    return plan_row<Budgeter>(p.budgeter, budget, p.selector, L, in.window(), prefix, in.layer_idx, in.num_layers);
   }
 
   /// The budget rules of one sequence b: for its H = out_heads rows (row h covers KV head

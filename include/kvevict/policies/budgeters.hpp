@@ -37,17 +37,39 @@ struct uniform {
 ///  - exact_total (default): the real-valued schedule, rounded by largest remainder over the
 ///    layers so that the n_layers budgets sum to exactly n_layers * P (the average is B);
 ///  - exact_total = false: PyramidKV's integer code, step = (max - min) // (n_layers - 1).
-/// Published beta = 20. Errors: beta < 1 or not finite.
+/// Published beta = 20.
+///
+/// num_tokens (decode-time eviction): the pyramid is defined on the layers' common length, which
+/// every layer has at prefill. Under a decode cap the layers' lengths diverge after the first
+/// eviction (a deep layer keeps few tokens, the shallow ones many); a pyramid recomputed from each
+/// layer's own length then keeps a short layer whole (L <= B) while the long ones keep their share,
+/// and the model-wide average climbs above B (measured: +20% at B = 256). With num_tokens = t > 0
+/// (decode_schedule::apply sets it to the tokens seen by the request) every layer's budget comes from
+/// the pyramid of a head of max(t, L) tokens with the same protection (row_request): b_l =
+/// protected + layer_candidates(P, max(t, L) - protected, l). A row is then planned with the token
+/// budget b_l: it is kept whole only when L <= b_l, and otherwise keeps exactly b_l tokens (its
+/// protected tokens counted at b_l). With exact_total the b_l sum to n_layers * B whenever t is the
+/// common length the layers had before any eviction, so after every decode eviction the model-wide
+/// average per head is at most B (a layer shorter than its b_l keeps its L), and at most B + the
+/// tokens appended since between evictions; layer l stays within b_l <= 2B (+ those tokens).
+/// With exact_total = false the integer schedule's floors add less than (n_layers - 1) / 2 tokens
+/// to the average. num_tokens = 0 (default): each head's own length, the published prefill rule; at
+/// t = L the two are the same selection for every protection without recent_share.
+/// Errors: beta < 1 or not finite, num_tokens < 0.
 struct pyramid {
   struct params {
     float beta = 20.0f;
     bool exact_total = true;
+    /// t: the tokens every layer's pyramid is computed for (decode-time eviction); 0 = each head's own length.
+    std::int64_t num_tokens = 0;
   };
   static constexpr const char* name = "pyramid";
   static constexpr bool needs_scores = false;
   static status check(const params& p) {
     if (!(p.beta >= 1.0f) || !std::isfinite(p.beta))
       return status::error(errc::invalid_argument, "budgeter.beta = %g must be finite and >= 1", static_cast<double>(p.beta));
+    if (p.num_tokens < 0)
+      return status::error(errc::invalid_argument, "budgeter.num_tokens = %lld must be >= 0", static_cast<long long>(p.num_tokens));
     return {};
   }
   /// Candidates (non-protected kept tokens) of layer `layer` for P, C; min_candidates (0 or 1,
@@ -91,9 +113,35 @@ struct pyramid {
   /// 2P - min <= 2B candidates plus its protected tokens): bounds a selection before the lengths
   /// are known (the CUDA backend's max_selected without host lengths).
   static std::int64_t max_head_budget(const params&, std::int64_t B) { return 2 * B + 1; }
+  /// The budget of a row planned by plan_head: with num_tokens = 0 the pyramid over the row's own
+  /// candidates; with num_tokens > 0 the row was planned with its layer's budget b_l (row_request),
+  /// which it keeps.
   KVEVICT_HOST_DEVICE static std::int64_t head_budget(const params& p, const detail::head_plan& h, int layer,
                                                       int num_layers) {
     if (h.pass_through) return h.length;
+    if (p.num_tokens > 0) return h.base_budget;
+    return pyramid_budget(p, h, layer, num_layers);
+  }
+  /// The request a row of L tokens is planned with (the front-end and the CUDA plan kernel call it
+  /// before plan_head_protected): `req` itself with num_tokens = 0; else the token budget b_l of a
+  /// head of max(num_tokens, L) tokens with the same protection (see num_tokens above), or `req`
+  /// when such a head would pass through (then so does this one: L <= its base budget).
+  template <class Protection>
+  KVEVICT_HOST_DEVICE static budget_request row_request(const params& p, const budget_request& req, const Protection& sp,
+                                                        std::int64_t L, std::int64_t window, std::int64_t prefix, int layer,
+                                                        int num_layers) {
+    if (p.num_tokens <= 0) return req;
+    const std::int64_t t = p.num_tokens > L ? p.num_tokens : L;
+    const detail::head_plan r = detail::plan_head_protected(req, sp, t, window, prefix);
+    if (r.pass_through) return req;
+    budget_request out;
+    out.keep_tokens = static_cast<decltype(out.keep_tokens)>(pyramid_budget(p, r, layer, num_layers));
+    out.keep_fraction = 0.0;
+    return out;
+  }
+
+ private:
+  KVEVICT_HOST_DEVICE static std::int64_t pyramid_budget(const params& p, const detail::head_plan& h, int layer, int num_layers) {
     const std::int64_t P = h.base_budget - h.protected_count();
     return h.protected_count() + layer_candidates(p, P, h.candidates(), layer, num_layers, h.protected_count() == 0 ? 1 : 0);
   }

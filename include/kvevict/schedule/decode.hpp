@@ -31,8 +31,8 @@
 // Budget (per KV head, every layer; what budget_request means to the evictor):
 //   keep_tokens B   the cache cap: every eviction brings each head to B tokens (uniform budgeters;
 //                   head-wise budgeters redistribute: AdaKV shares H * B over a layer's H heads,
-//                   LKV-H shares N * B over the model's N heads, PyramidKV's layers hold more or less
-//                   than B around it). A cap below the tokens a policy always keeps (its sinks and
+//                   LKV-H shares N * B over the model's N heads, PyramidKV's layers hold their pyramid
+//                   of the tokens seen, b_l <= 2B, averaging at most B over the layers). A cap below the tokens a policy always keeps (its sinks and
 //                   window, plus the protection below) is an error of apply(), as it is of the evictor.
 //   keep_fraction r a fraction of the tokens seen t (prompt + generated so far): each eviction has the
 //                   per-head budget max(1, floor(r * t)), raised to the tokens the policy always keeps
@@ -68,12 +68,18 @@
 namespace kvevict {
 
 namespace detail {
-/// Budgeters whose params carry the tokens seen (num_tokens: LKV-H's t when head lengths differ).
+/// Budgeters whose params carry the tokens seen (num_tokens: LKV-H's t when head lengths differ,
+/// PyramidKV's common reference length).
 template <class B, class = void>
 struct has_num_tokens : std::false_type {};
 template <class B>
-struct has_num_tokens<B, std::void_t<decltype(std::declval<B&>().num_tokens), decltype(std::declval<B&>().num_layers),
-                                     decltype(std::declval<B&>().kv_heads)>> : std::true_type {};
+struct has_num_tokens<B, std::void_t<decltype(std::declval<B&>().num_tokens)>> : std::true_type {};
+/// ... and allocate over the whole model (num_layers x kv_heads: LKV-H).
+template <class B, class = void>
+struct has_model_shape : std::false_type {};
+template <class B>
+struct has_model_shape<B, std::void_t<decltype(std::declval<B&>().num_layers), decltype(std::declval<B&>().kv_heads)>>
+    : std::true_type {};
 }  // namespace detail
 
 /// Options of a decode_schedule (see the file comment). All counts are tokens.
@@ -215,11 +221,15 @@ class decode_schedule {
   ///  - Budget: a.budget. A fraction budget (resolved in a.budget to floor(r * t)) is raised to the tokens
   ///    the policy always keeps (sinks + fixed recent tokens), as the evictor raises a fraction; a cap
   ///    below them is an error.
-  ///  - A budgeter with num_tokens / num_layers / kv_heads fields (LKV-H: budgeters::headwise_learned,
-  ///    whose heads are ragged after the first eviction): num_tokens = a.tokens_seen (the t of its
-  ///    global budgets), and a budget B < t is given as keep_fraction (N B + 1/2) / (N t), N =
-  ///    num_layers * kv_heads, whose B_total = floor(fraction * N t) is exactly N * B (a token budget
-  ///    would let heads of at most B tokens pass through whole, above their learned budgets).
+  ///  - A budgeter with a num_tokens field gets num_tokens = a.tokens_seen: PyramidKV
+  ///    (budgeters::pyramid) then computes every layer's pyramid from the tokens seen, the length all
+  ///    layers had before any eviction, so the model-wide average stays at most B after each eviction
+  ///    (layers whose lengths diverged would each recompute a pyramid from their own length, and a
+  ///    short layer would pass through whole). With num_layers / kv_heads fields too (LKV-H:
+  ///    budgeters::headwise_learned, whose heads are ragged after the first eviction) num_tokens is
+  ///    the t of its global budgets, and a budget B < t is given as keep_fraction (N B + 1/2) / (N t),
+  ///    N = num_layers * kv_heads, whose B_total = floor(fraction * N t) is exactly N * B (a token
+  ///    budget would let heads of at most B tokens pass through whole, above their learned budgets).
   /// `Params`: an eviction_policy's params (its .selector has the topk protection fields). Errors
   /// (p and *budget unchanged): null budget, window outside 0..2^31-1, not init()ed, no prefill yet,
   /// `a` not an eviction of this request (a.evict false, another request, a.tokens_seen outside
@@ -269,8 +279,9 @@ class decode_schedule {
       B = need;
     }
     budget_request b = budget_request::tokens(static_cast<std::int32_t>(B));
-    if constexpr (detail::has_num_tokens<decltype(q.budgeter)>::value) {
+    if constexpr (detail::has_num_tokens<decltype(q.budgeter)>::value)
       q.budgeter.num_tokens = static_cast<decltype(q.budgeter.num_tokens)>(a.tokens_seen);
+    if constexpr (detail::has_num_tokens<decltype(q.budgeter)>::value && detail::has_model_shape<decltype(q.budgeter)>::value) {
       const std::int64_t n = static_cast<std::int64_t>(q.budgeter.num_layers) * q.budgeter.kv_heads;
       if (n > 0 && B < a.tokens_seen)
         b = budget_request::fraction((static_cast<double>(B) * static_cast<double>(n) + 0.5) /

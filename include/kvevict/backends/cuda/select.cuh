@@ -221,7 +221,7 @@ __global__ void plan_kernel(lengths_view lens, const std::int32_t* prefix, plan_
       L = L < 0 ? 0 : sh.S;
     }
     len_kv[b * sh.Hkv + h] = static_cast<std::int32_t>(L);
-    plankv[b * sh.Hkv + h] = kvevict::detail::plan_head_protected(req, sp, L, sh.W, prefix ? prefix[b] : 0);
+    plankv[b * sh.Hkv + h] = kvevict::detail::plan_row<Budgeter>(bp, req, sp, L, sh.W, prefix ? prefix[b] : 0, sh.layer, sh.num_layers);
   }
   __syncthreads();
   if (sh.layer_mean && threadIdx.x == 0) {
