@@ -237,10 +237,6 @@ inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, s
   for (std::int64_t b = 0; b < t.batch; ++b)
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t r = t.row(b, h, H);
-      if (t.prefix(b) < 0 || t.prefix(b) > in.length(b, h))
-        return status::error(errc::invalid_argument, "pages.protected_prefix[%lld] = %lld is outside [0, %lld], the tokens of sequence %lld (KV head %lld)",
-                             static_cast<long long>(b), static_cast<long long>(t.prefix(b)), static_cast<long long>(in.length(b, h)),
-                             static_cast<long long>(b), static_cast<long long>(h));
       if (in.lengths.data) {
         const std::int64_t L = in.lengths(b, h);
         if (t.last_page_len && L != t.table_length(r, ps))
@@ -253,6 +249,11 @@ inline status check_page_table(const layer_inputs<T>& in, unsigned char* seen, s
                                static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(L),
                                static_cast<long long>(t.row_capacity(r, ps)), static_cast<long long>(r));
       }
+      // After the lengths: a bad length is named as such, not as a prefix outside [0, length].
+      if (t.prefix(b) < 0 || t.prefix(b) > in.length(b, h))
+        return status::error(errc::invalid_argument, "pages.protected_prefix[%lld] = %lld is outside [0, %lld], the tokens of sequence %lld (KV head %lld)",
+                             static_cast<long long>(b), static_cast<long long>(t.prefix(b)), static_cast<long long>(in.length(b, h)),
+                             static_cast<long long>(b), static_cast<long long>(h));
     }
   // Page ids of the pages that hold tokens; repeats through a bitmap of (page[, head]) slots.
   const bool head_slots = t.per_head && in.keys.stride[1] != 0;  // per-head rows in pages that span every head

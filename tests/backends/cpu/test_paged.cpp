@@ -217,6 +217,13 @@ TEST_CASE("paged: bad page tables are named errors and leave the outputs untouch
       c.in.pages.last_page_len = nullptr;
     });
     check_paged_error<snap>(r.in, kv::errc::invalid_argument, "lengths(0, 1) = 49 is outside [0, pages * page_size - start_offset = 48]");
+    // a negative length with no protected prefix set is named as the length (the prefix check follows it)
+    std::vector<std::int32_t> neg_lens = {40, 40, -1, 21};
+    auto n = with([&](kvtest::paged_copy<float>& c) {
+      c.in.lengths = kv::per_head_lengths(neg_lens.data(), 2, 2);
+      c.in.pages.last_page_len = nullptr;
+    });
+    check_paged_error<snap>(n.in, kv::errc::invalid_argument, "lengths(1, 0) = -1 is outside [0, pages * page_size - start_offset");
   }
   {  // indptr: not starting at 0, decreasing, more pages than max_pages_per_row
     auto q = with([](kvtest::paged_copy<float>& c) { c.indptr[0] = 1; });
