@@ -104,13 +104,14 @@ void BM_exchange(benchmark::State& st) {
   for (std::int64_t h = 0; h < per; ++h) heads[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(g_rank * per + h);
   kvevict::distributed::mpi_communicator comm(MPI_COMM_WORLD);
   const kvevict::distributed::shard sh{static_cast<std::int32_t>(H), heads.data(), static_cast<std::int32_t>(per)};
-  const std::uint64_t fp = kvevict::distributed::detail::policy_fingerprint<kvevict::presets::adakv>(p, req);
+  // round 1's terms; the shape terms come from an empty layer (the same on every rank: no tensor here)
+  const auto terms = kvevict::distributed::detail::layer_terms_of<kvevict::presets::adakv>(p, req, kvevict::layer_inputs<float>{});
   std::vector<std::int64_t> win(static_cast<std::size_t>(H)), T(1);
   kvevict::distributed::exchange_stats stats;
   MPI_Barrier(MPI_COMM_WORLD);
   for (auto _ : st) {
     kvevict::distributed::detail::layer_exchange ex(&comm, sh, &stats);
-    kvevict::status s = ex.agree(kvevict::status{}, 1, 1, 0, 1, fp, plans.data());
+    kvevict::status s = ex.agree(kvevict::status{}, 1, 1, 0, 1, terms, plans.data());
     if (s.ok()) s = ex.winners(rows.data(), win.data(), T.data());
     if (!s.ok()) {
       st.SkipWithError(s.message());

@@ -26,6 +26,7 @@
 #include "common/random.hpp"
 #include "engine/engine_fixture.hpp"
 #include "reference/paged.hpp"
+#include "reference/thread_communicator.hpp"
 
 namespace {
 
@@ -299,26 +300,26 @@ TEST_CASE("sharded == single process: AdaKV, CriticalAdaKV, PyramidKV, LKV on ra
         // the exchange: 2 rounds, then the radix select (4) and the tie counts (1) when there is a choice
         CHECK(st.rounds == 8);
         CHECK(st.radix_rounds == 4);
-        CHECK(st.bytes == 8 * (8 + B * H * (1 + 5) + 4 * B * 256 + B * H * 2 + 1));
+        CHECK(st.bytes == 8 * (19 + B * H * (1 + 5) + 4 * B * 256 + B * H * 2 + 1));
         auto a0 = kvevict::presets::adakv::defaults();
         a0.budgeter.alpha = 0.0f;
         (void)check_equal<kvevict::presets::adakv>("adakv alpha 0", L, a0, a0, heads, req, &comm);
         auto pq = kvevict::presets::adakv::defaults();
         pq.gqa = kvevict::gqa_reduction::per_query_head;
         (void)check_equal<kvevict::presets::adakv>("adakv per_query_head", L, pq, pq, heads, req, &comm, &st);
-        CHECK(st.bytes == 8 * (8 + B * H * (1 + 5 * G) + 4 * B * 256 + B * H * G * 2 + 1));
+        CHECK(st.bytes == 8 * (19 + B * H * (1 + 5 * G) + 4 * B * 256 + B * H * G * 2 + 1));
         (void)check_equal<kvevict::presets::critical_adakv>("critical_adakv", L, {}, {}, heads, req, &comm);
         (void)check_equal<kvevict::presets::pyramidkv>("pyramidkv", L, {}, {}, heads, req, &comm, &st);
         CHECK(st.rounds == 3);
         CHECK(st.radix_rounds == 0);
-        CHECK(st.bytes == 8 * (8 + B * H * (1 + 5) + 1));
+        CHECK(st.bytes == 8 * (19 + B * H * (1 + 5) + 1));
         kvevict::lkv::full::params lg = kvevict::lkv::full::defaults();
         set_lkv(lg, mlp, logits, 3, H, d, hid, ragged ? S : 0);
         std::vector<float> storage;
         const auto ll = lkv_local(lg, heads, &storage);
         (void)check_equal<kvevict::lkv::full>("lkv", L, lg, ll, heads, req, &comm, &st);
         CHECK(st.rounds == 3);
-        CHECK(st.bytes == 8 * (8 + B * H * (1 + 5) + 1));
+        CHECK(st.bytes == 8 * (19 + B * H * (1 + 5) + 1));
         // NaN scores (check_finite off): NaN ranks below every score, on one device and sharded
         dense_layer nan_layer = L;
         nan_layer.k[static_cast<std::size_t>((1 * H + 2) * S * d + 5 * d + 1)] = NAN;  // sequence 1, head 2, slot 5
@@ -490,7 +491,7 @@ TEST_CASE("bad shard descriptions and bad inputs on one rank: an error on every 
     const status s = run(mine, static_cast<std::int32_t>(H), L, true, p);
     if (g_size > 1) {
       CHECK(!s.ok());
-      CHECK(contains(s, "disagree on budget/policy fingerprint"));
+      CHECK(contains(s, "ranks disagree on the budgeter's parameters: rank 0 has hash "));
     } else {
       CHECK(s.ok());
     }
@@ -552,13 +553,118 @@ TEST_CASE("sharded LKV: mismatched budget tables are refused on every rank") {
   const auto ll = lkv_local(lg, heads, &storage);
   const status st = run_lkv_sharded(L, ll, heads, &comm);
   CHECK(st.ok() == (g_size == 1));
-  if (g_size > 1) CHECK(std::string(st.message()).find("fingerprint") != std::string::npos);
+  if (g_size > 1) CHECK(std::string(st.message()).find("ranks disagree on the budgeter's parameters") != std::string::npos);
   // and a scorer table of another shape
   std::vector<float> st2;
   dist::shard wrong{static_cast<std::int32_t>(H + 1), heads.data(), static_cast<std::int32_t>(heads.size())};
   kvevict::scorers::learned_mlp::params outp;
   const status e = dist::shard_learned_scorer(lg.scorer, wrong, &st2, &outp);
   CHECK(e.code() == kvevict::errc::shape_mismatch);
+}
+
+/// A layer's K/V/queries as another storage type (a rank that holds bf16 while the others hold fp32).
+template <class T>
+struct typed_layer {
+  std::vector<T> k, v, q;
+  kvevict::layer_inputs<T> in;
+  explicit typed_layer(const dense_layer& L) {
+    for (float x : L.k) k.push_back(kvevict::from_float<T>(x));
+    for (float x : L.v) v.push_back(kvevict::from_float<T>(x));
+    for (float x : L.q) q.push_back(kvevict::from_float<T>(x));
+    const auto f = L.inputs();
+    in.keys = kvevict::make_kv_view<const T>(k.data(), L.B, L.H, L.S, L.d, kvevict::kv_layout::hnd);
+    in.values = kvevict::make_kv_view<const T>(v.data(), L.B, L.H, L.S, L.d, kvevict::kv_layout::hnd);
+    in.queries = kvevict::make_query_view<const T>(q.data(), L.B, L.H * L.G, L.W, L.d, kvevict::kv_layout::hnd);
+    in.lengths = f.lengths;
+    in.layer_idx = f.layer_idx;
+    in.num_layers = f.num_layers;
+  }
+};
+
+TEST_CASE("sharding faults in one rank's terms are refused on every rank, naming the field (thread ranks)") {
+  // In-process ranks (kvevict_test::thread_communicator), run once (not under every MPI rank). Rank
+  // `ranks - 1` differs from the others in one term; every rank must get "ranks disagree on <field>"
+  // with both values, and leave its selection untouched.
+  if (g_rank != 0) return;
+  using adakv_ev = kvevict::evictor<kvevict::presets::adakv, kvevict::cpu::backend>;
+  const std::int64_t H = 4, S = 48, d = 8;
+  const dense_layer L2 = random_layer(9, 1, H, 2, S, d, 6, false, false);  // G = 2, window 6
+  const dense_layer L4 = random_layer(9, 1, H, 4, S, d, 6, false, false);  // G = 4
+  const dense_layer LW = random_layer(9, 1, H, 2, S, d, 5, false, false);  // window 5
+  struct fault {
+    const char* name;
+    const char* message;  // on every rank
+  };
+  const fault faults[] = {
+      {"dtype", "ranks disagree on the K/V storage dtype: rank 0 has fp32, rank R has bf16"},
+      {"group", "ranks disagree on the GQA group size (q_heads / kv_heads): rank 0 has 2, rank R has 4"},
+      {"window", "ranks disagree on the observation window (query rows): rank 0 has 6, rank R has 5"},
+      {"budget kind", "ranks disagree on budget.keep_tokens: rank 0 has 24, rank R has 0"},
+      {"budget value", "ranks disagree on budget.keep_tokens: rank 0 has 24, rank R has 25"},
+      {"sinks", "ranks disagree on selector.num_sink: rank 0 has 0, rank R has 4"},
+      {"recent", "ranks disagree on selector.num_recent: rank 0 has -1, rank R has 3"},
+      {"gqa", "ranks disagree on params.gqa: rank 0 has mean, rank R has max"},
+      {"alpha", "ranks disagree on the budgeter's parameters: rank 0 has hash "},
+      {"policy", "ranks disagree on the policy (its scorer, smoothers, budgeter and selector): rank 0 has hash "},
+  };
+  for (int ranks : {2, 3, 4}) {
+    for (const fault& f : faults) {
+      CAPTURE(ranks);
+      const std::string name = f.name;
+      CAPTURE(name);
+      kvevict_test::thread_group group(ranks);
+      std::vector<std::string> msg(static_cast<std::size_t>(ranks));
+      std::vector<int> untouched(static_cast<std::size_t>(ranks), 0);
+      kvevict_test::run_ranks(ranks, [&](int r) {
+        kvevict_test::thread_communicator comm(&group, r);
+        const bool odd = r == ranks - 1;
+        const std::vector<std::int32_t> heads = shard_heads(0, r, ranks, H);
+        const dense_layer& whole = odd && name == "group" ? L4 : odd && name == "window" ? LW : L2;
+        const dense_layer part = whole.slice(heads);
+        auto p = kvevict::presets::adakv::defaults();
+        if (odd && name == "sinks") p.selector.num_sink = 4;
+        if (odd && name == "recent") p.selector.num_recent = 3;
+        if (odd && name == "gqa") p.gqa = kvevict::gqa_reduction::max;
+        if (odd && name == "alpha") p.budgeter.alpha = 0.5f;
+        budget_request req = budget_request::tokens(24);
+        if (odd && name == "budget kind") req = budget_request::fraction(0.5);
+        if (odd && name == "budget value") req = budget_request::tokens(25);
+        dist::shard sh{static_cast<std::int32_t>(H), heads.data(), static_cast<std::int32_t>(heads.size())};
+        kvevict::plan_options opt;
+        opt.sharded = true;
+        std::vector<std::int32_t> indptr(heads.size() + 1, -7), idx(static_cast<std::size_t>(H * S), -7);
+        kvevict::selection_view sel;
+        sel.indptr = indptr.data();
+        sel.indices = idx.data();
+        sel.capacity = static_cast<std::int64_t>(idx.size());
+        status st;
+        auto go = [&](const auto& ev, const auto& in) {
+          kvevict::eviction_plan pl;
+          (void)ev.plan(in, req, &pl, opt);  // a failed plan is run_sharded's round-1 error: every rank still meets
+          std::vector<unsigned char> ws(pl.workspace_bytes + 64);
+          st = ev.run_sharded(pl, in, &comm, sh, sel, ws.data(), ws.size());
+        };
+        if (odd && name == "dtype") {
+          const typed_layer<kvevict::bfloat16_t> t(part);
+          go(adakv_ev(p), t.in);
+        } else if (odd && name == "policy") {
+          go(kvevict::evictor<kvevict::presets::pyramidkv, kvevict::cpu::backend>(), part.inputs());
+        } else {
+          go(adakv_ev(p), part.inputs());
+        }
+        msg[static_cast<std::size_t>(r)] = st.ok() ? "ok" : st.message();
+        untouched[static_cast<std::size_t>(r)] = std::all_of(indptr.begin(), indptr.end(), [](std::int32_t x) { return x == -7; }) &&
+                                                std::all_of(idx.begin(), idx.end(), [](std::int32_t x) { return x == -7; });
+      });
+      std::string want = f.message;
+      if (want.find("rank R") != std::string::npos) want.replace(want.find("rank R"), 6, "rank " + std::to_string(ranks - 1));
+      for (int r = 0; r < ranks; ++r) {
+        CAPTURE(r);
+        CHECK_MESSAGE(msg[static_cast<std::size_t>(r)].find(want) != std::string::npos, msg[static_cast<std::size_t>(r)]);
+        CHECK(untouched[static_cast<std::size_t>(r)] == 1);
+      }
+    }
+  }
 }
 
 TEST_CASE("score_key orders scores as the single-device comparator: NaN lowest, -0 == +0") {

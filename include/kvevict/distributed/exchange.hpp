@@ -3,9 +3,11 @@
 // the drivers: every rank of a layer's group holds some of its KV heads, scores and smooths them
 // locally, and the head-wise budgeters' global allocation is found by a few small collectives.
 //
-//   round 1  all_gather, 8 int64 per rank: each rank's local status and what it believes the
-//            layer is (global heads, batch, rows per head, layer, budget and policy fingerprint).
-//            Any error, or any disagreement, ends the call on every rank with the same verdict.
+//   round 1  all_gather, 7 + layer_terms::count int64 per rank: each rank's local status and what
+//            it believes the layer is (global heads, batch, rows per head, layer) and the terms of
+//            the call (layer_terms: GQA group, head_dim, window, storage dtype, budget, GQA
+//            reduction, protection, the policy's stages, the budgeter's parameters). Any error, or
+//            any disagreement, ends the call on every rank with the same verdict, naming the field.
 //   round 2  all_reduce_sum, batch * global_kv_heads * (1 + 5 G) int64: the head plans of every
 //            global row (length, base budget, sinks, recent, pass-through) and how many ranks
 //            hold each head (must be exactly 1: overlapping or missing heads are an error).
@@ -24,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -58,6 +61,81 @@ inline std::uint64_t fnv1a(std::uint64_t h, const void* p, std::size_t n) {
 
 /// Fields of a head plan in round 2.
 constexpr std::int64_t plan_fields = 5;
+
+/// What every rank of a layer's group must agree on besides its shard (round 1), so that the
+/// sharded selection equals one process's: compared field by field, a mismatch is refused on every
+/// rank with the field's name and both values. Built by distributed::detail::layer_terms_of
+/// (fingerprint.hpp) from the policy, the budget and the layer inputs.
+struct layer_terms {
+  std::int64_t group = 1;        ///< G: query heads per KV head (q_heads / kv_heads)
+  std::int64_t head_dim = 0;     ///< d
+  std::int64_t window = 0;       ///< observation-window query rows
+  std::int64_t dtype = 0;        ///< K/V storage type: 0 fp32, 1 fp16, 2 bf16
+  std::int64_t keep_tokens = 0;  ///< budget_request::keep_tokens
+  double keep_fraction = 0.0;    ///< budget_request::keep_fraction
+  std::int64_t gqa = 0;          ///< gqa_reduction
+  std::int64_t num_sink = 0;     ///< selector protection (0 when the selector has none)
+  std::int64_t num_recent = 0;
+  float recent_share = 0.0f;
+  std::uint64_t policy = 0;    ///< FNV-1a of the policy's stage names (scorer, smoothers, budgeter, selector)
+  std::uint64_t budgeter = 0;  ///< FNV-1a of the budgeter's parameters (LKV-H: its table's content)
+  static constexpr int count = 12;
+  /// Field i as an int64 (doubles and floats by their bits: equal values compare equal, as no NaN
+  /// passes the checks before round 1).
+  std::int64_t field(int i) const {
+    switch (i) {
+      case 0: return group;
+      case 1: return head_dim;
+      case 2: return window;
+      case 3: return dtype;
+      case 4: return keep_tokens;
+      case 5: { std::int64_t b; std::memcpy(&b, &keep_fraction, sizeof b); return b; }
+      case 6: return gqa;
+      case 7: return num_sink;
+      case 8: return num_recent;
+      case 9: { std::int32_t b; std::memcpy(&b, &recent_share, sizeof b); return b; }
+      case 10: return static_cast<std::int64_t>(policy);
+      default: return static_cast<std::int64_t>(budgeter);
+    }
+  }
+  static const char* name(int i) {
+    static const char* const n[count] = {"the GQA group size (q_heads / kv_heads)",
+                                         "head_dim",
+                                         "the observation window (query rows)",
+                                         "the K/V storage dtype",
+                                         "budget.keep_tokens",
+                                         "budget.keep_fraction",
+                                         "params.gqa",
+                                         "selector.num_sink",
+                                         "selector.num_recent",
+                                         "selector.recent_share",
+                                         "the policy (its scorer, smoothers, budgeter and selector)",
+                                         "the budgeter's parameters"};
+    return n[i];
+  }
+  /// Field i's value as a user reads it, into buf.
+  static void format(int i, std::int64_t v, char* buf, std::size_t n) {
+    if (i == 3) {
+      std::snprintf(buf, n, "%s", v == 0 ? "fp32" : v == 1 ? "fp16" : v == 2 ? "bf16" : "?");
+    } else if (i == 5) {
+      double d;
+      std::memcpy(&d, &v, sizeof d);
+      std::snprintf(buf, n, "%g", d);
+    } else if (i == 9) {
+      const std::int32_t b = static_cast<std::int32_t>(v);
+      float f;
+      std::memcpy(&f, &b, sizeof f);
+      std::snprintf(buf, n, "%g", static_cast<double>(f));
+    } else if (i == 6) {
+      static const char* const g[4] = {"mean", "max", "per_query_head", "layer_mean"};
+      std::snprintf(buf, n, "%s", v >= 0 && v < 4 ? g[v] : "?");
+    } else if (i >= 10) {
+      std::snprintf(buf, n, "hash %016llx", static_cast<unsigned long long>(v));
+    } else {
+      std::snprintf(buf, n, "%lld", static_cast<long long>(v));
+    }
+  }
+};
 
 /// One layer's exchange on one rank. Construct, then agree() (rounds 1-2), then for AdaKV
 /// winners() (rounds 3-7). Allocates O(batch * global rows) host memory.
@@ -102,32 +180,42 @@ class layer_exchange {
 
   /// Rounds 1-2. local: this rank's status so far (its error is reported on every rank);
   /// plans: (batch, num_heads * gout) local head plans (read only when local is ok).
-  /// fingerprint: what must agree across ranks (budget, policy parameters). On success
-  /// global_plans() holds (batch, global_kv_heads * gout) plans.
-  status agree(status local, std::int64_t batch, std::int64_t gout, int layer_idx, int num_layers, std::uint64_t fingerprint,
+  /// terms: what must agree across ranks (layer_terms). On success global_plans() holds
+  /// (batch, global_kv_heads * gout) plans. A disagreement: errc::invalid_argument on every rank,
+  /// "ranks disagree on <field>: rank 0 has <value>, rank r has <value>" (the first field, the
+  /// lowest rank that differs from rank 0).
+  status agree(status local, std::int64_t batch, std::int64_t gout, int layer_idx, int num_layers, const layer_terms& terms,
                const kvevict::detail::head_plan* plans) {
     KVEVICT_TRY(check_group(comm_));  // nobody can be told: a property of the whole group
     if (local.ok()) local = check_local(sh_, sh_.num_heads);
     const int P = comm_->size(), me = comm_->rank();
-    std::int64_t mine[8] = {local.ok() ? 0 : static_cast<std::int64_t>(local.code()), sh_.global_kv_heads, sh_.num_heads, batch,
-                            gout, layer_idx, num_layers, static_cast<std::int64_t>(fingerprint)};
-    std::vector<std::int64_t> all(static_cast<std::size_t>(P) * 8);
-    KVEVICT_TRY(collective(comm_->all_gather(mine, 8, all.data()), 8));
+    constexpr int base = 7, N = base + layer_terms::count;
+    std::int64_t mine[N] = {local.ok() ? 0 : static_cast<std::int64_t>(local.code()), sh_.global_kv_heads, sh_.num_heads, batch,
+                            gout, layer_idx, num_layers};
+    for (int i = 0; i < layer_terms::count; ++i) mine[base + i] = terms.field(i);
+    std::vector<std::int64_t> all(static_cast<std::size_t>(P) * N);
+    KVEVICT_TRY(collective(comm_->all_gather(mine, N, all.data()), N));
     if (!local.ok()) return local;
     for (int r = 0; r < P; ++r)
-      if (all[r * 8] != 0)
-        return status::error(static_cast<errc>(all[r * 8]), "rank %d of %d failed (%s); rank %d did not run the layer", r, P,
-                             to_string(static_cast<errc>(all[r * 8])), me);
-    static const char* field[8] = {"status", "shard.global_kv_heads", "", "batch", "out rows per KV head", "layer_idx", "num_layers",
-                                   "budget/policy fingerprint"};
+      if (all[r * N] != 0)
+        return status::error(static_cast<errc>(all[r * N]), "rank %d of %d failed (%s); rank %d did not run the layer", r, P,
+                             to_string(static_cast<errc>(all[r * N])), me);
+    static const char* field[base] = {"status", "shard.global_kv_heads", "", "batch", "out rows per KV head", "layer_idx", "num_layers"};
     std::int64_t held = 0;
-    for (int r = 0; r < P; ++r) {
-      held += all[r * 8 + 2];
-      for (int f = 1; f < 8; ++f)
-        if (f != 2 && all[r * 8 + f] != all[f])
+    for (int f = 1; f < N; ++f)
+      for (int r = 1; r < P; ++r) {
+        const std::int64_t a = all[f], v = all[static_cast<std::size_t>(r) * N + f];
+        if (f == 2 || v == a) continue;
+        if (f < base)
           return status::error(errc::invalid_argument, "ranks disagree on %s: rank 0 has %lld, rank %d has %lld", field[f],
-                               static_cast<long long>(all[f]), r, static_cast<long long>(all[r * 8 + f]));
-    }
+                               static_cast<long long>(a), r, static_cast<long long>(v));
+        char x[64], y[64];
+        layer_terms::format(f - base, a, x, sizeof x);
+        layer_terms::format(f - base, v, y, sizeof y);
+        return status::error(errc::invalid_argument, "ranks disagree on %s: rank 0 has %s, rank %d has %s", layer_terms::name(f - base),
+                             x, r, y);
+      }
+    for (int r = 0; r < P; ++r) held += all[static_cast<std::size_t>(r) * N + 2];
     if (held != sh_.global_kv_heads)
       return status::error(errc::invalid_argument, "the ranks hold %lld KV heads in all, shard.global_kv_heads = %d (overlap or gap)",
                            static_cast<long long>(held), sh_.global_kv_heads);

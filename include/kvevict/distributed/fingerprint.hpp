@@ -1,9 +1,10 @@
 // IWYU pragma: private, include "kvevict/distributed.hpp"
-// What the ranks of a sharded layer must agree on before their budgets can be combined: the
-// budget request, the GQA reduction and the budgeter's parameters (for LKV-H the content of its
-// logit table, so ranks that loaded different artifacts are refused). Hashed to one int64 and
-// compared in round 1 of the exchange (exchange.hpp). Tables that are legitimately sliced per
-// rank (LKV-T's scorer weights) are not part of it.
+// What the ranks of a sharded layer must agree on before their budgets can be combined
+// (layer_terms, exchange.hpp): the layer's GQA group, head_dim, window and storage dtype, the budget
+// request, the GQA reduction, the selector's protection, the policy's stages and the budgeter's
+// parameters (for LKV-H the content of its logit table, so ranks that loaded different artifacts are
+// refused), compared field by field in round 1 of the exchange so that a mismatch names the field.
+// Tables that are legitimately sliced per rank (LKV-T's scorer weights) are not part of it.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,8 @@
 #include <type_traits>
 
 #include "kvevict/core/config.hpp"
+#include "kvevict/core/inputs.hpp"
+#include "kvevict/core/numeric.hpp"
 #include "kvevict/distributed/exchange.hpp"
 #include "kvevict/policies/budgeters.hpp"
 #include "kvevict/policies/learned.hpp"
@@ -34,7 +37,7 @@ template <>
 struct budgeter_fingerprint<budgeters::pyramid> {
   static std::uint64_t of(const budgeters::pyramid::params& p, std::uint64_t h) {
     const unsigned char e = p.exact_total ? 1 : 0;
-    return fnv1a(fnv1a(h, &p.beta, sizeof p.beta), &e, 1);
+    return fnv1a(fnv1a(fnv1a(h, &p.beta, sizeof p.beta), &e, 1), &p.num_tokens, sizeof p.num_tokens);
   }
 };
 template <>
@@ -51,22 +54,46 @@ struct budgeter_fingerprint<budgeters::headwise_learned> {
   }
 };
 
-/// Fingerprint of a policy's parameters and a budget request, as round 1 compares it.
-template <class Policy>
-std::uint64_t policy_fingerprint(const typename Policy::params& p, const budget_request& req) {
+/// A stage's name, or "" for a user's stage that declares none.
+template <class X, class = void>
+struct stage_name {
+  static constexpr const char* value = "";
+};
+template <class X>
+struct stage_name<X, std::void_t<decltype(X::name)>> {
+  static constexpr const char* value = X::name;
+};
+
+/// What round 1 compares (exchange.hpp, layer_terms): the layer's GQA group, head_dim, window and
+/// storage dtype, the budget request, the GQA reduction, the selector's protection, a hash of the
+/// policy's stage names and one of the budgeter's parameters. Tables that are legitimately sliced
+/// per rank (LKV-T's scorer weights) are not part of it.
+template <class Policy, class T>
+layer_terms layer_terms_of(const typename Policy::params& p, const budget_request& req, const layer_inputs<T>& in) {
   using Budgeter = typename Policy::budgeter;
-  std::uint64_t h = 1469598103934665603ull;
-  h = fnv1a(h, Budgeter::name, std::char_traits<char>::length(Budgeter::name));
-  h = fnv1a(h, &req.keep_tokens, sizeof req.keep_tokens);
-  h = fnv1a(h, &req.keep_fraction, sizeof req.keep_fraction);
-  const int g = static_cast<int>(p.gqa);
-  h = fnv1a(h, &g, sizeof g);
+  layer_terms t;
+  t.group = in.group_size();
+  t.head_dim = in.head_dim();
+  t.window = in.window();
+  t.dtype = std::is_same<T, float>::value ? 0 : (std::is_same<T, half_t>::value ? 1 : 2);
+  t.keep_tokens = req.keep_tokens;
+  t.keep_fraction = req.keep_fraction;
+  t.gqa = static_cast<std::int64_t>(p.gqa);
   if constexpr (std::is_base_of<selectors::topk::params, typename Policy::selector::params>::value) {
-    const std::int32_t sel[2] = {p.selector.num_sink, p.selector.num_recent};  // the protected tokens
-    h = fnv1a(h, sel, sizeof sel);
-    h = fnv1a(h, &p.selector.recent_share, sizeof p.selector.recent_share);
+    t.num_sink = p.selector.num_sink;
+    t.num_recent = p.selector.num_recent;
+    t.recent_share = p.selector.recent_share;
   }
-  return budgeter_fingerprint<Budgeter>::of(p.budgeter, h);
+  std::uint64_t h = 1469598103934665603ull;
+  for (const char* n : {stage_name<typename Policy::scorer>::value, stage_name<typename Policy::temporal_smoother>::value,
+                        stage_name<typename Policy::spatial_smoother>::value, stage_name<Budgeter>::value,
+                        stage_name<typename Policy::selector>::value}) {
+    h = fnv1a(h, n, std::char_traits<char>::length(n));
+    h = fnv1a(h, "/", 1);
+  }
+  t.policy = h;
+  t.budgeter = budgeter_fingerprint<Budgeter>::of(p.budgeter, 1469598103934665603ull);
+  return t;
 }
 
 }  // namespace detail

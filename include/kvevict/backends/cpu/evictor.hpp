@@ -624,7 +624,7 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
     return {};
   }();
   if (ex) {
-    KVEVICT_TRY(ex->agree(local, B, Gout, in.layer_idx, in.num_layers, distributed::detail::policy_fingerprint<Policy>(p_, budget),
+    KVEVICT_TRY(ex->agree(local, B, Gout, in.layer_idx, in.num_layers, distributed::detail::layer_terms_of<Policy>(p_, budget, in),
                           buf.plans));
     if constexpr (FE::kind == kvevict::detail::budget_kind::whole_layer) {
       // the whole-layer allocation over every rank's rows (the same on every rank); this rank's slice

@@ -570,7 +570,7 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
     distributed::detail::layer_exchange ex(comm, sh, stats);
     const std::int64_t B = in.batch(), Hkv = in.kv_heads(), H = out_heads(in), S = in.capacity();
     const std::int64_t Gout = Hkv > 0 ? H / Hkv : 1, rows = B * H;
-    std::uint64_t fp = distributed::detail::policy_fingerprint<Policy>(p_, pl.budget);
+    distributed::detail::layer_terms terms = distributed::detail::layer_terms_of<Policy>(p_, pl.budget, in);
     typename sharded_tables_of<budgeter_i>::type tables;
     std::vector<head_plan> plans;
     std::vector<std::int64_t> budgets;
@@ -582,7 +582,7 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
       if (!pl.sharded) return status::error(errc::invalid_argument, "run_sharded() needs a plan made with plan_options::sharded");
       KVEVICT_TRY(this->check_run_args(pl, in, out, workspace, workspace_bytes, std::max(pl.workspace_bytes, workspace_size(in))));
       KVEVICT_TRY(distributed::detail::layer_exchange::check_local(sh, Hkv));
-      if constexpr (kind == kvevict::detail::budget_kind::whole_layer) KVEVICT_TRY(budgeter_i::sharded_begin(p_.budgeter, sh, st, &tables, &fp));
+      if constexpr (kind == kvevict::detail::budget_kind::whole_layer) KVEVICT_TRY(budgeter_i::sharded_begin(p_.budgeter, sh, st, &tables, &terms.budgeter));
       lr = carve_run(in, workspace);
       KVEVICT_TRY(enqueue_plans(pl, in, lr, true));
       plans.resize(static_cast<std::size_t>(rows));
@@ -596,7 +596,7 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
       KVEVICT_CUDA_TRY(cudaStreamSynchronize(st));
       return cuda::to_status(ds);  // lengths, page table, NaN/inf
     }();
-    KVEVICT_TRY(ex.agree(local, B, Gout, in.layer_idx, in.num_layers, fp, plans.data()));
+    KVEVICT_TRY(ex.agree(local, B, Gout, in.layer_idx, in.num_layers, terms, plans.data()));
     // After agree() every rank calls the remaining collectives; `late` is this rank's status.
     status late;
     if constexpr (kind == kvevict::detail::budget_kind::whole_layer) {
