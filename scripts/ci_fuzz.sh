@@ -4,10 +4,11 @@
 # time from its committed seed corpus (read-only: new inputs go to the build folder):
 #   fuzz_evictor   tests/fuzz/corpus            every preset x storage type over the CPU API
 #   fuzz_schedule  tests/fuzz/corpus_schedule   the decode-time eviction schedule
+#   fuzz_paged     tests/fuzz/corpus_paged      compact_paged and union_selections over random page tables
 # Any crash, sanitizer report or invariant violation fails the run and leaves the reproducer in
 # $FUZZ_BUILD_DIR/artifacts/ (re-run: build-fuzz/<target> <file>).
 #
-#   scripts/ci_fuzz.sh                                          # CI: 48 s + 12 s from seed 1
+#   scripts/ci_fuzz.sh                                          # CI: 40 + 10 + 10 s from seed 1
 #   FUZZ_SEED=0 FUZZ_SECONDS=3600 scripts/ci_fuzz.sh fuzz_schedule  # one target, a random seed, 1 hour
 #
 # CI's run is a gate, so it is reproducible: a fixed libFuzzer seed (FUZZ_SEED, default 1) makes
@@ -18,8 +19,8 @@
 # docs/failure-kinds.md, "Fuzzing".
 #
 # Arguments: the targets to run (default: all). Environment: FUZZ_BUILD_DIR (default build-fuzz),
-# FUZZ_SECONDS (every target's time; default 48 for fuzz_evictor, 12 for fuzz_schedule, whose inputs
-# run in microseconds), FUZZ_SEED (default 1; 0 = random), FUZZ_CXX (default clang++-14, else
+# FUZZ_SECONDS (every target's time; default 40 for fuzz_evictor, 10 each for fuzz_schedule and
+# fuzz_paged, whose inputs run in microseconds: 60 s in all), FUZZ_SEED (default 1; 0 = random), FUZZ_CXX (default clang++-14, else
 # clang++), JOBS (default nproc). Needs clang and the compiler-rt fuzzer runtime (Debian: clang-14
 # libclang-rt-14-dev; scripts/setup.sh installs both). ccache as in scripts/test.sh
 # (scripts/build_env.sh).
@@ -29,7 +30,7 @@ BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
 SEED=${FUZZ_SEED:-1}
 JOBS=${JOBS:-$(nproc)}
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(fuzz_evictor fuzz_schedule)
+[ ${#targets[@]} -gt 0 ] || targets=(fuzz_evictor fuzz_schedule fuzz_paged)
 if [ -z "${FUZZ_CXX:-}" ]; then
   if command -v clang++-14 >/dev/null 2>&1; then FUZZ_CXX=clang++-14; else FUZZ_CXX=clang++; fi
 fi
@@ -44,8 +45,9 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 report=""
 for t in "${targets[@]}"; do
   case $t in
-    fuzz_evictor) seeds=tests/fuzz/corpus; secs=${FUZZ_SECONDS:-48}; max_len=1024 ;;
-    fuzz_schedule) seeds=tests/fuzz/corpus_schedule; secs=${FUZZ_SECONDS:-12}; max_len=1100 ;;
+    fuzz_evictor) seeds=tests/fuzz/corpus; secs=${FUZZ_SECONDS:-40}; max_len=1024 ;;
+    fuzz_schedule) seeds=tests/fuzz/corpus_schedule; secs=${FUZZ_SECONDS:-10}; max_len=1100 ;;
+    fuzz_paged) seeds=tests/fuzz/corpus_paged; secs=${FUZZ_SECONDS:-10}; max_len=512 ;;
     *) echo "ci_fuzz: unknown target $t" >&2; exit 2 ;;
   esac
   work="$BUILD_DIR/corpus_$t"
