@@ -31,18 +31,20 @@ function(kvevict_warnings target)
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wshadow -Wconversion -Wno-sign-conversion -Werror=return-type>)
 endfunction()
 
-# kvevict_add_test(NAME name SOURCES ... LIBS ... [LABELS ...] [COST seconds])
+# kvevict_add_test(NAME name SOURCES ... LIBS ... [LABELS ...] [COST seconds] [ARGS ...])
+# ARGS: the test's command-line arguments (e.g. a doctest filter, when one executable is run as
+# several ctest tests).
 # COST: about how long the test runs under the sanitizers (scripts/ci_sanitizers.sh), for the few that
 # take much longer than the rest: ctest -j starts the costliest first, so a long test does not start
 # last and run alone on one core (a fresh build has no timing history of its own to schedule by).
 function(kvevict_add_test)
-  cmake_parse_arguments(T "" "NAME;COST" "SOURCES;LIBS;LABELS" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;COST" "SOURCES;LIBS;LABELS;ARGS" ${ARGN})
   add_executable(${T_NAME} ${T_SOURCES})
   target_link_libraries(${T_NAME} PRIVATE ${T_LIBS})
   target_include_directories(${T_NAME} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
   target_link_libraries(${T_NAME} PRIVATE kvevict_source_dir)  # KVEVICT_SOURCE_DIR
   kvevict_warnings(${T_NAME})
-  add_test(NAME ${T_NAME} COMMAND ${T_NAME})
+  add_test(NAME ${T_NAME} COMMAND ${T_NAME} ${T_ARGS})
   if(T_LABELS)
     set_tests_properties(${T_NAME} PROPERTIES LABELS "${T_LABELS}")
   endif()
