@@ -62,6 +62,39 @@ TEST_CASE("budget: pyramid with num_tokens plans every row from the pyramid of t
   p.num_tokens = -1;
   CHECK_FALSE(pyramid::check(p).ok());
   CHECK(std::string(pyramid::check(p).message()).find("budgeter.num_tokens = -1") != std::string::npos);
+  p.num_tokens = std::int64_t{1} << 31;
+  CHECK_FALSE(pyramid::check(p).ok());
+  // A layer budget beyond int32 (a fraction of 2^31 - 1 tokens seen) keeps the row whole, never a
+  // truncated budget.
+  p.num_tokens = 0x7fffffff;
+  CHECK(pyramid::check(p).ok());
+  const auto frac = kvevict::budget_request::fraction(0.9);
+  const auto h0 = kvevict::detail::plan_row<pyramid>(p, frac, sel, 100000, 8, 0, 0, 4);
+  CHECK(kvevict::detail::kept_tokens(h0, pyramid::head_budget(p, h0, 0, 4)) == 100000);
+}
+
+TEST_CASE("budget: max_selected's shape-only bound holds for PyramidKV with num_tokens above the capacity (fraction budget)") {
+  // What a CUDA engine gets when the host cannot read the lengths: kept_upper_bound. A fraction of
+  // the tokens seen (5000) exceeds one of the capacity (1000): B = 500, P = 500 - 32 (the window) = 468,
+  // min = 468 // 20 = 23, max = 2P - min = 913: layer 0 keeps 913 + 32 = 945 per row (the bound of a
+  // 1000-token head, 2 * 100 + 1, was 201).
+  namespace kv = kvevict;
+  auto p = kv::presets::pyramidkv::defaults();
+  p.budgeter.num_tokens = 5000;
+  const auto frac = kv::budget_request::fraction(0.1);
+  kv::layer_inputs<float> in;
+  in.keys = kv::make_kv_view<const float>(nullptr, 1, 2, 1000, 8, kv::kv_layout::hnd);
+  in.values = in.keys;
+  in.queries = kv::make_query_view<const float>(nullptr, 1, 2, 32, 8, kv::kv_layout::hnd);
+  for (int layer = 0; layer < 4; ++layer) {
+    CAPTURE(layer);
+    in.layer_idx = layer;
+    in.num_layers = 4;
+    const auto h = kv::detail::plan_row<kv::budgeters::pyramid>(p.budgeter, frac, p.selector, 1000, 32, 0, layer, 4);
+    const std::int64_t kept = kv::detail::kept_tokens(h, kv::budgeters::pyramid::head_budget(p.budgeter, h, layer, 4));
+    if (layer == 0) CHECK(kept == 945);
+    CHECK(kv::detail::frontend<kv::presets::pyramidkv>::kept_upper_bound(in, p, frac) >= 2 * kept);
+  }
 }
 
 TEST_CASE("budget: pyramid matches PyramidKV's integer code (exact_total = false) and sums exactly otherwise") {

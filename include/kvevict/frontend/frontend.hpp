@@ -132,7 +132,9 @@ KVEVICT_HOST_DEVICE inline void initial_row_budget(const typename Budgeter::para
 /// with num_tokens: the layer's budget from a common reference length) declares
 ///   template <class Protection> static budget_request row_request(const params&, const budget_request& req,
 ///       const Protection&, int64 L, int64 window, int64 prefix, int layer, int num_layers);   // host and device
-/// plan_row then plans the row with that request instead of `req`.
+///   static int64 reference_length(const params&, int64 L);  // the length whose base budget row_request uses
+/// plan_row then plans the row with that request instead of `req`; kept_upper_bound takes the base
+/// budget at reference_length(capacity).
 struct protection_probe {
   std::int32_t num_sink = 0;
   std::int32_t num_recent = 0;
@@ -349,7 +351,9 @@ struct frontend {
   template <class T>
   static std::int64_t kept_upper_bound(const layer_inputs<T>& in, const params_type& p, const budget_request& budget) {
     const std::int64_t S = in.capacity();
-    std::int64_t B = plan_head(budget, p.selector, S, in.window()).base_budget;
+    std::int64_t Sref = S;  // a row_request budgeter plans from its reference length (a fraction of it can exceed one of S)
+    if constexpr (has_row_request<Budgeter>::value) Sref = Budgeter::reference_length(p.budgeter, S);
+    std::int64_t B = plan_head(budget, p.selector, Sref, in.window()).base_budget;
     if (in.paged() && in.pages.protected_prefix) {  // a protected prefix raises budgets (unknown to the host)
       B = S;
     } else if constexpr (kind == budget_kind::whole_layer) {

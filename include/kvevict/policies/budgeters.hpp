@@ -55,7 +55,7 @@ struct uniform {
 /// With exact_total = false the integer schedule's floors add less than (n_layers - 1) / 2 tokens
 /// to the average. num_tokens = 0 (default): each head's own length, the published prefill rule; at
 /// t = L the two are the same selection for every protection without recent_share.
-/// Errors: beta < 1 or not finite, num_tokens < 0.
+/// Errors: beta < 1 or not finite, num_tokens outside [0, 2^31 - 1].
 struct pyramid {
   struct params {
     float beta = 20.0f;
@@ -68,8 +68,9 @@ struct pyramid {
   static status check(const params& p) {
     if (!(p.beta >= 1.0f) || !std::isfinite(p.beta))
       return status::error(errc::invalid_argument, "budgeter.beta = %g must be finite and >= 1", static_cast<double>(p.beta));
-    if (p.num_tokens < 0)
-      return status::error(errc::invalid_argument, "budgeter.num_tokens = %lld must be >= 0", static_cast<long long>(p.num_tokens));
+    if (p.num_tokens < 0 || p.num_tokens > 0x7fffffff)
+      return status::error(errc::invalid_argument, "budgeter.num_tokens = %lld must be in [0, 2^31 - 1] (tokens seen)",
+                           static_cast<long long>(p.num_tokens));
     return {};
   }
   /// Candidates (non-protected kept tokens) of layer `layer` for P, C; min_candidates (0 or 1,
@@ -131,13 +132,20 @@ struct pyramid {
                                                         std::int64_t L, std::int64_t window, std::int64_t prefix, int layer,
                                                         int num_layers) {
     if (p.num_tokens <= 0) return req;
-    const std::int64_t t = p.num_tokens > L ? p.num_tokens : L;
-    const detail::head_plan r = detail::plan_head_protected(req, sp, t, window, prefix);
+    const detail::head_plan r = detail::plan_head_protected(req, sp, reference_length(p, L), window, prefix);
     if (r.pass_through) return req;
+    // A budget at or above L keeps the row whole, as L itself does (and L fits the int32 field).
+    const std::int64_t b = pyramid_budget(p, r, layer, num_layers);
     budget_request out;
-    out.keep_tokens = static_cast<decltype(out.keep_tokens)>(pyramid_budget(p, r, layer, num_layers));
+    out.keep_tokens = static_cast<decltype(out.keep_tokens)>(b < L ? b : L);
     out.keep_fraction = 0.0;
     return out;
+  }
+  /// The length a row of L tokens is planned for: max(num_tokens, L) (L with num_tokens = 0). The
+  /// front-end sizes max_selected's bound with it (a fraction of the tokens seen can exceed one of
+  /// the capacity).
+  KVEVICT_HOST_DEVICE static std::int64_t reference_length(const params& p, std::int64_t L) {
+    return p.num_tokens > L ? p.num_tokens : L;
   }
 
  private:
