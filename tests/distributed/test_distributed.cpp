@@ -605,7 +605,7 @@ TEST_CASE("sharding faults in one rank's terms are refused on every rank, naming
       {"recent", "ranks disagree on selector.num_recent: rank 0 has -1, rank R has 3"},
       {"gqa", "ranks disagree on params.gqa: rank 0 has mean, rank R has max"},
       {"alpha", "ranks disagree on the budgeter's parameters: rank 0 has hash "},
-      {"policy", "ranks disagree on the policy (its scorer, smoothers, budgeter and selector): rank 0 has hash "},
+      {"policy", "ranks disagree on the policy's stages (the names of its scorer, smoothers, budgeter and selector): rank 0 has hash "},
   };
   for (int ranks : {2, 3, 4}) {
     for (const fault& f : faults) {

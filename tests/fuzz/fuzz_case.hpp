@@ -10,46 +10,12 @@
 #include <cstring>
 #include <memory>
 
+#include "fuzz/fuzz_common.hpp"
 #include "robustness/robust_common.hpp"
 
 namespace kvevict_fuzz {
 
 using namespace robust;
-
-/// Consumes the fuzz input front to back; zeros once exhausted (so short inputs are valid).
-struct reader {
-  const std::uint8_t* p;
-  std::size_t n, i = 0;
-  std::uint8_t u8() { return i < n ? p[i++] : 0; }
-  std::uint32_t u32() {
-    std::uint32_t v = 0;
-    for (int k = 0; k < 4; ++k) v |= static_cast<std::uint32_t>(u8()) << (8 * k);
-    return v;
-  }
-  float f32() {
-    const std::uint32_t u = u32();
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  std::int64_t range(std::int64_t lo, std::int64_t hi) { return lo + static_cast<std::int64_t>(u8()) % (hi - lo + 1); }
-};
-
-/// KVEVICT_FUZZ_VERBOSE=1: print what each input did (error message or kept/total), e.g. to
-/// check that a corpus reaches valid results: fuzz_evictor -runs=0 tests/fuzz/corpus.
-inline bool verbose() {
-  static const bool v = std::getenv("KVEVICT_FUZZ_VERBOSE") != nullptr;
-  return v;
-}
-
-[[noreturn]] inline void die(const char* what, const char* detail) {
-  std::fprintf(stderr, "kvevict fuzz invariant violated: %s %s\n", what, detail ? detail : "");
-  std::abort();
-}
-#define FUZZ_ASSERT(cond, detail) \
-  do {                            \
-    if (!(cond)) die(#cond, detail); \
-  } while (0)
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();

@@ -13,8 +13,8 @@
 //  * a success keeps exactly the selected tokens, readable through the table: kept token j of
 //    (sequence b, KV head h) is at table position start_offset + j of its row's pages, with the
 //    contents of its old slot (every element of K and V is a unique value); pages_kept and
-//    last_page_len describe the kept tokens; freed pages held tokens before, are no longer among
-//    any row's kept pages, and are reported once; lengths are the kept counts;
+//    last_page_len describe the kept tokens; the freed pages are exactly the pages that held tokens
+//    before and hold none now, each reported once; lengths are the kept counts;
 //  * union_selections: each output row is the sorted union of its group's rows, or an error and
 //    nothing written.
 // Input format: see read_case below (bytes read front to back; zeros once the input ends).
@@ -27,29 +27,13 @@
 #include <set>
 #include <vector>
 
+#include "fuzz/fuzz_common.hpp"
 #include <kvevict/backends/cpu/compact_paged.hpp>
 
 namespace {
 
-struct reader {
-  const std::uint8_t* p;
-  std::size_t n, i = 0;
-  std::uint8_t u8() { return i < n ? p[i++] : 0; }
-};
-
-[[noreturn]] void die(const char* what, const char* detail) {
-  std::fprintf(stderr, "kvevict fuzz_paged invariant violated: %s %s\n", what, detail ? detail : "");
-  std::abort();
-}
-#define FUZZ_ASSERT(cond, detail) \
-  do {                            \
-    if (!(cond)) die(#cond, detail); \
-  } while (0)
-
-bool verbose() {
-  static const bool v = std::getenv("KVEVICT_FUZZ_VERBOSE") != nullptr;
-  return v;
-}
+using kvevict_fuzz::reader;
+using kvevict_fuzz::verbose;
 
 /// Element (page, head, slot, d) of a pool view.
 float& at(const kvevict::kv_view<float>& v, std::int64_t page, std::int64_t h, std::int64_t slot, std::int64_t d) {
@@ -238,9 +222,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   out.freed_capacity = static_cast<std::int64_t>(freed.size());
   out.num_freed = &num_freed;
   const std::vector<float> k0 = kbuf, v0 = vbuf;
-  const std::vector<std::int32_t> indptr0 = indptr, indices0 = indices, sptr0 = sptr, sidx0 = sidx;
+  const std::vector<std::int32_t> indptr0 = indptr, indices0 = indices, last0 = last, start0 = start, prefix0 = prefix, lens0 = lens,
+                                  sptr0 = sptr, sidx0 = sidx, uptr1 = uptr, uidx1 = uidx;
   const kvevict::status st = kvevict::cpu::compact_paged(cache, sel, out, ws.data(), ws.size());
-  FUZZ_ASSERT(indptr == indptr0 && indices == indices0 && sptr == sptr0 && sidx == sidx0, "the table or selection changed");
+  FUZZ_ASSERT(indptr == indptr0 && indices == indices0 && last == last0 && start == start0 && prefix == prefix0 && lens == lens0,
+              "the page table changed");
+  FUZZ_ASSERT(sptr == sptr0 && sidx == sidx0 && uptr == uptr1 && uidx == uidx1, "the selection changed");
   if (!st.ok()) {
     FUZZ_ASSERT(std::strlen(st.message()) > 0, "");
     FUZZ_ASSERT(std::strstr(st.message(), "compact_paged") || std::strstr(st.message(), "pages") || std::strstr(st.message(), "lengths"),
@@ -287,9 +274,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const std::int32_t pg = freed[static_cast<std::size_t>(i)];
     FUZZ_ASSERT(pg >= 0 && pg < P, "a freed page id is out of range");
     FUZZ_ASSERT(freed_set.insert(pg).second, "a page freed twice");
-    FUZZ_ASSERT(!kept_pages.count(pg), "a freed page still holds kept tokens");
-    FUZZ_ASSERT(std::find(indices.begin(), indices.end(), pg) != indices.end(), "a freed page was not in the table");
   }
+  // Exactly the pages that held tokens before (a row's first ceil((start + L) / page_size) pages, the
+  // longest head's under a per-sequence table) and hold none now (no row keeps a token in them).
+  std::set<std::int32_t> want_freed;
+  for (std::int64_t row = 0; row < R; ++row) {
+    std::int64_t used = 0;
+    for (std::int64_t h = 0; h < H; ++h)
+      if (!per_head || h == row % H) used = std::max(used, t.pages_for(row, head_len(per_head ? row / H : row, h), ps));
+    for (std::int64_t i = 0; i < used; ++i) {
+      const std::int32_t pg = indices[static_cast<std::size_t>(indptr[static_cast<std::size_t>(row)] + i)];
+      if (!kept_pages.count(pg)) want_freed.insert(pg);
+    }
+  }
+  FUZZ_ASSERT(freed_set == want_freed, "the freed pages are not exactly the pages left without tokens");
   if (verbose())
     std::printf("ok: B %lld H %lld ps %lld %s%s, %zu kept rows, %lld pages freed\n", static_cast<long long>(B), static_cast<long long>(H),
                 static_cast<long long>(ps), per_head ? "per-head" : "per-sequence", set_per_seq ? " (one set per sequence)" : "",

@@ -6,17 +6,20 @@
 // fraction conversion) and PyramidKV (num_tokens).
 //
 // Asserts (abort on violation, so libFuzzer records a crash):
-//  * an error names the schedule ("decode_schedule") and leaves its state unchanged (every getter,
-//    and the next action it issues); apply() leaves params and budget unchanged on error;
+//  * an error names the schedule ("decode_schedule") and leaves its state unchanged (every getter);
+//    apply() leaves params and budget unchanged on error, and refuses an action the schedule did
+//    not issue, one already served and one of another request (evicted() too);
 //  * a successful apply() protects every protected token: planned by the evictor's own rule
-//    (detail::plan_head) for any head length L, the sinks cover min(protected_prefix(), L) and the
-//    recent tokens min(protect_recent, L - sinks), or the head passes through whole; a cap budget is
-//    never changed, a fraction budget is raised only to the protected tokens; LKV-H and PyramidKV
-//    get num_tokens = tokens_seen;
+//    (detail::plan_row) at the head's length and at the tokens seen, the sinks cover
+//    min(protected_prefix(), L) and the recent tokens min(protect_recent, L - sinks), or the head
+//    passes through whole; a cap budget is returned unchanged (and holds the protected tokens), a
+//    fraction budget is raised to the policy's protected tokens and to nothing else; LKV-H and
+//    PyramidKV get num_tokens = tokens_seen;
 //  * an eviction is due exactly when interval generated tokens are pending (periods = pending /
-//    interval), and the cap bound: an engine that evicts a uniform-budget head whenever asked holds at
-//    most max(prompt tokens, B) + interval tokens, and min(its length, B) after each eviction;
-//  * evicted() and apply() refuse an action twice and an action of another request.
+//    interval); after the engine serves the latest action nothing is pending, and while it serves
+//    every due eviction the pending tokens are exactly those generated since: an engine that evicts
+//    whenever asked holds what the eviction left plus fewer than interval generated tokens (plus the
+//    prompt tokens appended since).
 // Input format: one options block (see read_options), then ops of 2 bytes each until the input ends.
 #include <cstddef>
 #include <cstdint>
@@ -25,36 +28,14 @@
 #include <cstring>
 #include <string>
 
+#include "fuzz/fuzz_common.hpp"
 #include <kvevict/kvevict.hpp>
 #include <kvevict/schedule/decode.hpp>
 
 namespace {
 
-struct reader {
-  const std::uint8_t* p;
-  std::size_t n, i = 0;
-  bool done() const { return i >= n; }
-  std::uint8_t u8() { return i < n ? p[i++] : 0; }
-  std::int32_t i32() {
-    std::uint32_t v = 0;
-    for (int k = 0; k < 4; ++k) v |= static_cast<std::uint32_t>(u8()) << (8 * k);
-    return static_cast<std::int32_t>(v);
-  }
-};
-
-[[noreturn]] void die(const char* what, const char* detail) {
-  std::fprintf(stderr, "kvevict fuzz_schedule invariant violated: %s %s\n", what, detail ? detail : "");
-  std::abort();
-}
-#define FUZZ_ASSERT(cond, detail) \
-  do {                            \
-    if (!(cond)) die(#cond, detail); \
-  } while (0)
-
-bool verbose() {
-  static const bool v = std::getenv("KVEVICT_FUZZ_VERBOSE") != nullptr;
-  return v;
-}
+using kvevict_fuzz::reader;
+using kvevict_fuzz::verbose;
 
 /// Mostly small valid values; sometimes a raw int32 (negative, huge).
 std::int32_t small_or_raw(reader& r, int span) {
@@ -98,11 +79,12 @@ void check_error(const kvevict::status& st, const kvevict::decode_schedule& befo
   FUZZ_ASSERT(snap(before) == snap(after), st.message());
 }
 
-/// The protection property of apply()'s output for a head of L tokens and `window` query rows.
-template <class Params>
-void check_protection(const kvevict::decode_schedule& s, const kvevict::budget_request& b, const Params& p, std::int64_t window,
-                      std::int64_t L) {
-  const kvevict::detail::head_plan h = kvevict::detail::plan_head(b, p.selector, L, window);
+/// The protection property of apply()'s output for a head of L tokens and `window` query rows,
+/// planned by the evictor's own rule (detail::plan_row: PyramidKV plans from num_tokens).
+template <class Policy>
+void check_protection(const kvevict::decode_schedule& s, const kvevict::budget_request& b, const typename Policy::params& p,
+                      std::int64_t window, std::int64_t L) {
+  const kvevict::detail::head_plan h = kvevict::detail::plan_row<typename Policy::budgeter>(p.budgeter, b, p.selector, L, window, 0, 0, 4);
   if (h.pass_through) return;
   const std::int64_t want_sinks = s.protected_prefix() < L ? s.protected_prefix() : L;
   FUZZ_ASSERT(h.sinks >= want_sinks, "a protected prefix token is a candidate");
@@ -110,30 +92,48 @@ void check_protection(const kvevict::decode_schedule& s, const kvevict::budget_r
   FUZZ_ASSERT(h.recent >= (R < room ? R : room), "a protected recent token is a candidate");
 }
 
+/// The fields apply() may change: the selector's protection and the budgeter's num_tokens.
 template <class Params>
-void apply_one(kvevict::decode_schedule& s, const kvevict::decode_action& a, Params p, std::int64_t window, bool issued,
+bool same_params(const Params& a, const Params& b) {
+  bool same = a.selector.num_sink == b.selector.num_sink && a.selector.num_recent == b.selector.num_recent &&
+              std::memcmp(&a.selector.recent_share, &b.selector.recent_share, sizeof(float)) == 0;
+  if constexpr (kvevict::detail::has_num_tokens<decltype(a.budgeter)>::value) same = same && a.budgeter.num_tokens == b.budgeter.num_tokens;
+  return same;
+}
+
+template <class Policy>
+void apply_one(kvevict::decode_schedule& s, const kvevict::decode_action& a, typename Policy::params p, std::int64_t window, bool issued,
                std::int64_t length) {
-  const Params before = p;
+  const typename Policy::params before = p;
   kvevict::budget_request b = kvevict::budget_request::tokens(-3);
   const kvevict::decode_schedule copy = s;
   const kvevict::status st = s.apply(a, p, window, &b);
   if (!st.ok()) {
     check_error(st, copy, s);
-    FUZZ_ASSERT(std::memcmp(&before, &p, sizeof p) == 0, "apply() changed params on error");
-    FUZZ_ASSERT(b.keep_tokens == -3, "apply() changed the budget on error");
+    FUZZ_ASSERT(same_params(before, p), "apply() changed params on error");
+    FUZZ_ASSERT(b.keep_tokens == -3 && b.keep_fraction == 0.0, "apply() changed the budget on error");
     FUZZ_ASSERT(!issued || window < 0 || window > 0x7fffffff || std::strstr(st.message(), "selector") ||
                     std::strstr(st.message(), "tokens always kept") || std::strstr(st.message(), "exceed"),
                 st.message());
     return;
   }
   FUZZ_ASSERT(issued, "apply() accepted an action the schedule did not issue");
-  if (s.options().budget.keep_tokens > 0) FUZZ_ASSERT(b.keep_tokens == a.budget.keep_tokens || b.keep_fraction > 0.0, "a cap changed");
   if constexpr (kvevict::detail::has_num_tokens<decltype(p.budgeter)>::value)
     FUZZ_ASSERT(p.budgeter.num_tokens == a.tokens_seen, "num_tokens is not the tokens seen");
-  if (b.keep_tokens > 0) {
-    check_protection(s, b, p, window, length);
-    check_protection(s, b, p, window, a.tokens_seen);
+  if (b.keep_fraction > 0.0) return;  // LKV-H: a cap as the fraction of the tokens seen (tested in test_schedule)
+  // The budget: a cap is kept as it is; a fraction budget (resolved at t) is raised to the tokens the
+  // policy always keeps, and to nothing else.
+  const auto& sp = p.selector;
+  const std::int64_t fixed = sp.recent_share >= 0.0f ? 0 : (sp.num_recent >= 0 ? sp.num_recent : window);
+  const std::int64_t need = static_cast<std::int64_t>(sp.num_sink) + fixed;
+  if (s.options().budget.keep_tokens > 0) {
+    FUZZ_ASSERT(b.keep_tokens == a.budget.keep_tokens, "a cap changed");
+    FUZZ_ASSERT(b.keep_tokens >= need, "a cap below the protected tokens was accepted");
+  } else {
+    FUZZ_ASSERT(b.keep_tokens == (a.budget.keep_tokens > need ? a.budget.keep_tokens : need), "a fraction budget raised to another value");
   }
+  check_protection<Policy>(s, b, p, window, length);
+  check_protection<Policy>(s, b, p, window, a.tokens_seen);
 }
 
 }  // namespace
@@ -193,18 +193,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       case 5: {  // the engine runs the due eviction: apply to every preset, then evicted()
         if (!have) break;
         window = arg % 40;
-        apply_one(s, last, kvevict::presets::snapkv::defaults(), window, last.evict, len);
-        apply_one(s, last, kvevict::presets::h2o::defaults(), window, last.evict, len);
-        apply_one(s, last, kvevict::presets::pyramidkv::defaults(), window, last.evict, len);
+        apply_one<kvevict::presets::snapkv>(s, last, kvevict::presets::snapkv::defaults(), window, last.evict, len);
+        apply_one<kvevict::presets::h2o>(s, last, kvevict::presets::h2o::defaults(), window, last.evict, len);
+        apply_one<kvevict::presets::pyramidkv>(s, last, kvevict::presets::pyramidkv::defaults(), window, last.evict, len);
         auto l = kvevict::lkv::full::defaults();
         l.budgeter.num_layers = 2, l.budgeter.kv_heads = 2;
-        apply_one(s, last, l, window, last.evict, len);
+        apply_one<kvevict::lkv::full>(s, last, l, window, last.evict, len);
         st = s.evicted(last);
         if (!last.evict) { check_error(st, copy, s); break; }
         FUZZ_ASSERT(st.ok(), st.message());
         FUZZ_ASSERT(cap() <= 0 || last.budget.keep_tokens == cap(), "a cap resolved to another budget");
         len = len < last.budget.keep_tokens ? len : last.budget.keep_tokens;  // a uniform head after the eviction
         gen_since = 0;
+        declined = false;  // the latest action is served: nothing is pending any more
+        FUZZ_ASSERT(s.pending_tokens() == 0, "tokens pending after the latest action was served");
         // the same action again is refused, state unchanged
         const kvevict::decode_schedule again = s;
         check_error(s.evicted(last), again, s);
@@ -220,7 +222,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         if (arg % 3 == 0) f.request += 1 + arg;
         else if (arg % 3 == 1) f.tokens_seen = s.tokens_seen() + 1 + arg;
         else f.evict = false;
-        apply_one(s, f, kvevict::presets::snapkv::defaults(), 8, false, len);
+        apply_one<kvevict::presets::snapkv>(s, f, kvevict::presets::snapkv::defaults(), 8, false, len);
         check_error(s.evicted(f), copy, s);
         break;
       }
@@ -239,7 +241,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         kvevict::budget_request b;
         st = arg % 2 ? s.apply(last, p, 8, nullptr) : s.apply(last, p, -1 - static_cast<std::int64_t>(arg), &b);
         check_error(st, copy, s);
-        FUZZ_ASSERT(std::memcmp(&before, &p, sizeof p) == 0, "");
+        FUZZ_ASSERT(same_params(before, p), "apply() changed params on error");
         break;
       }
     }

@@ -77,7 +77,7 @@ struct layer_terms {
   std::int64_t num_sink = 0;     ///< selector protection (0 when the selector has none)
   std::int64_t num_recent = 0;
   float recent_share = 0.0f;
-  std::uint64_t policy = 0;    ///< FNV-1a of the policy's stage names (scorer, smoothers, budgeter, selector)
+  std::uint64_t policy = 0;    ///< FNV-1a of the policy's stage names (scorer, smoothers, budgeter, selector; not their parameters)
   std::uint64_t budgeter = 0;  ///< FNV-1a of the budgeter's parameters (LKV-H: its table's content)
   static constexpr int count = 12;
   /// Field i as an int64 (doubles and floats by their bits: equal values compare equal, as no NaN
@@ -109,7 +109,7 @@ struct layer_terms {
                                          "selector.num_sink",
                                          "selector.num_recent",
                                          "selector.recent_share",
-                                         "the policy (its scorer, smoothers, budgeter and selector)",
+                                         "the policy's stages (the names of its scorer, smoothers, budgeter and selector)",
                                          "the budgeter's parameters"};
     return n[i];
   }
