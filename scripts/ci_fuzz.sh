@@ -5,10 +5,12 @@
 #   fuzz_evictor   tests/fuzz/corpus            every preset x storage type over the CPU API
 #   fuzz_schedule  tests/fuzz/corpus_schedule   the decode-time eviction schedule
 #   fuzz_paged     tests/fuzz/corpus_paged      compact_paged and union_selections over random page tables
+#   fuzz_views     tests/fuzz/corpus_views      the evictor over paged / token-pool / cell views, corrupted tables, dense compact
+#   fuzz_sharded   tests/fuzz/corpus_sharded    run_sharded over 1-4 in-process ranks, faults on one rank
 # Any crash, sanitizer report or invariant violation fails the run and leaves the reproducer in
 # $FUZZ_BUILD_DIR/artifacts/ (re-run: build-fuzz/<target> <file>).
 #
-#   scripts/ci_fuzz.sh                                          # CI: 40 + 10 + 10 s from seed 1
+#   scripts/ci_fuzz.sh                                          # CI: 30 + 10 + 10 + 15 + 15 s from seed 1
 #   FUZZ_SEED=0 FUZZ_SECONDS=3600 scripts/ci_fuzz.sh fuzz_schedule  # one target, a random seed, 1 hour
 #
 # CI's run is a gate, so it is reproducible: a fixed libFuzzer seed (FUZZ_SEED, default 1) makes
@@ -19,8 +21,9 @@
 # docs/failure-kinds.md, "Fuzzing".
 #
 # Arguments: the targets to run (default: all). Environment: FUZZ_BUILD_DIR (default build-fuzz),
-# FUZZ_SECONDS (every target's time; default 40 for fuzz_evictor, 10 each for fuzz_schedule and
-# fuzz_paged, whose inputs run in microseconds: 60 s in all), FUZZ_SEED (default 1; 0 = random), FUZZ_CXX (default clang++-14, else
+# FUZZ_SECONDS (every target's time; default 30 for fuzz_evictor, 10 each for fuzz_schedule and
+# fuzz_paged, whose inputs run in microseconds, 15 each for fuzz_views and fuzz_sharded: 80 s in
+# all), FUZZ_SEED (default 1; 0 = random), FUZZ_CXX (default clang++-14, else
 # clang++), JOBS (default nproc). Needs clang and the compiler-rt fuzzer runtime (Debian: clang-14
 # libclang-rt-14-dev; scripts/setup.sh installs both). ccache as in scripts/test.sh
 # (scripts/build_env.sh).
@@ -30,7 +33,7 @@ BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
 SEED=${FUZZ_SEED:-1}
 JOBS=${JOBS:-$(nproc)}
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(fuzz_evictor fuzz_schedule fuzz_paged)
+[ ${#targets[@]} -gt 0 ] || targets=(fuzz_evictor fuzz_schedule fuzz_paged fuzz_views fuzz_sharded)
 if [ -z "${FUZZ_CXX:-}" ]; then
   if command -v clang++-14 >/dev/null 2>&1; then FUZZ_CXX=clang++-14; else FUZZ_CXX=clang++; fi
 fi
@@ -45,9 +48,11 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 report=""
 for t in "${targets[@]}"; do
   case $t in
-    fuzz_evictor) seeds=tests/fuzz/corpus; secs=${FUZZ_SECONDS:-40}; max_len=1024 ;;
+    fuzz_evictor) seeds=tests/fuzz/corpus; secs=${FUZZ_SECONDS:-30}; max_len=1024 ;;
     fuzz_schedule) seeds=tests/fuzz/corpus_schedule; secs=${FUZZ_SECONDS:-10}; max_len=1100 ;;
     fuzz_paged) seeds=tests/fuzz/corpus_paged; secs=${FUZZ_SECONDS:-10}; max_len=512 ;;
+    fuzz_views) seeds=tests/fuzz/corpus_views; secs=${FUZZ_SECONDS:-15}; max_len=512 ;;
+    fuzz_sharded) seeds=tests/fuzz/corpus_sharded; secs=${FUZZ_SECONDS:-15}; max_len=512 ;;
     *) echo "ci_fuzz: unknown target $t" >&2; exit 2 ;;
   esac
   work="$BUILD_DIR/corpus_$t"

@@ -667,6 +667,52 @@ TEST_CASE("sharding faults in one rank's terms are refused on every rank, naming
   }
 }
 
+TEST_CASE("ranks that fail for different reasons all return the lowest failing rank's category (thread ranks)") {
+  // Found by tests/fuzz/fuzz_sharded.cpp: each failing rank returned its own error, so the ranks of
+  // one layer disagreed on the category. Rank 0: NaN keys (non_finite_input); rank 2: a length of
+  // -1 (invalid_argument); rank 1: no error of its own.
+  if (g_rank != 0) return;
+  const int ranks = 3;
+  const std::int64_t H = 3, S = 32, d = 8;
+  const dense_layer L = random_layer(21, 1, H, 2, S, d, 4, false, false);
+  kvevict_test::thread_group group(ranks);
+  std::vector<std::string> msg(ranks);
+  std::vector<int> code(ranks, 0), untouched(ranks, 0);
+  kvevict_test::run_ranks(ranks, [&](int r) {
+    kvevict_test::thread_communicator comm(&group, r);
+    const std::vector<std::int32_t> heads = {static_cast<std::int32_t>(r)};
+    dense_layer part = L.slice(heads);
+    if (r == 0) part.k[5] = NAN;
+    if (r == 2) part.len[0] = -1;
+    const kvevict::evictor<kvevict::presets::adakv, kvevict::cpu::backend> ev;
+    const kvevict::layer_inputs<float> in = part.inputs();
+    kvevict::plan_options opt;
+    opt.sharded = true;
+    kvevict::eviction_plan pl;
+    (void)ev.plan(in, budget_request::tokens(8), &pl, opt);  // rank 2's plan fails: its run_sharded still meets the others
+    std::vector<unsigned char> ws(pl.workspace_bytes + 64);
+    std::vector<std::int32_t> indptr(3, -7), idx(static_cast<std::size_t>(2 * S), -7);
+    kvevict::selection_view sel;
+    sel.indptr = indptr.data();
+    sel.indices = idx.data();
+    sel.capacity = static_cast<std::int64_t>(idx.size());
+    const dist::shard sh{static_cast<std::int32_t>(H), heads.data(), 1};
+    const status st = ev.run_sharded(pl, in, &comm, sh, sel, ws.data(), ws.size());
+    msg[static_cast<std::size_t>(r)] = st.message();
+    code[static_cast<std::size_t>(r)] = static_cast<int>(st.code());
+    untouched[static_cast<std::size_t>(r)] = std::all_of(indptr.begin(), indptr.end(), [](std::int32_t x) { return x == -7; });
+  });
+  for (int r = 0; r < ranks; ++r) {
+    CAPTURE(r);
+    CHECK(code[static_cast<std::size_t>(r)] == static_cast<int>(kvevict::errc::non_finite_input));
+    CHECK(untouched[static_cast<std::size_t>(r)] == 1);
+  }
+  CHECK_MESSAGE(msg[0].find("keys(b=0, h=0") != std::string::npos, msg[0]);
+  CHECK_MESSAGE(msg[1].find("rank 0 of 3 failed (non_finite_input); rank 1 did not run the layer") != std::string::npos, msg[1]);
+  CHECK_MESSAGE(msg[2].find("rank 0 of 3 failed (non_finite_input); rank 2 did not run the layer either: ") != std::string::npos, msg[2]);
+  CHECK_MESSAGE(msg[2].find("sharded") != std::string::npos, msg[2]);  // its own error: the plan it was given was refused
+}
+
 TEST_CASE("score_key orders scores as the single-device comparator: NaN lowest, -0 == +0") {
   using dist::detail::score_key;
   const float v[] = {-INFINITY, -3.0e38f, -1.0f, -1e-38f, -1e-45f, -0.0f, 0.0f, 1e-45f, 1e-38f, 1.0f, 3.0e38f, INFINITY};

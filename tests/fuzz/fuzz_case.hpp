@@ -54,6 +54,20 @@ void mutate_params(typename P::params& p, reader& r) {
     const std::uint8_t k = r.u8();
     if (k & 128) p.spatial.kernel = (k & 64) ? 2147483647 : static_cast<int>(k % 16) - 1;
   }
+  if constexpr (std::is_same<Sp, kvevict::spatial::max_pool>::value) {  // AdaKV as published
+    const std::uint8_t k = r.u8();
+    if (k & 128) p.spatial.kernel = (k & 64) ? 2147483647 : static_cast<int>(k % 16) - 1;
+  }
+  if constexpr (std::is_same<Bu, kvevict::budgeters::headwise_learned>::value) {  // LKV-H
+    p.budgeter.temperature = param_float(r, p.budgeter.temperature);
+    const std::uint8_t m = r.u8();
+    if (m & 128) p.budgeter.min_budget = (m & 64) ? -1 : static_cast<std::int32_t>(m % 8);
+  }
+  if constexpr (std::is_same<S, kvevict::scorers::learned_mlp>::value) {  // LKV-T
+    const std::uint8_t m = r.u8();
+    if (m & 128) p.scorer.activation = static_cast<kvevict::lkv_activation>(m % 3);  // 2: not an activation
+    if (m & 64) p.scorer.layer = static_cast<std::int32_t>(m % 8) - 2;  // -2: an error; >= num_layers: an error
+  }
   if constexpr (std::is_same<Sp, kvevict::spatial::adaptive_window>::value) {
     p.spatial.beta = param_float(r, p.spatial.beta);
     const std::uint8_t k = r.u8();
@@ -78,6 +92,51 @@ void mutate_params(typename P::params& p, reader& r) {
     p.selector.eps = param_float(r, p.selector.eps);
   }
 }
+
+/// LKV tables (learned_mlp weights, headwise_learned logits) for a layer of kv_heads x head_dim:
+/// random normal values from the case's seed. Mode byte: bits 0-1 the MLP hidden size - 1, bit 2 a
+/// table for one KV head more (an error), bit 3 a table of fewer layers than the layer index
+/// needs, bit 4 one NaN / inf weight, bit 5 one NaN / inf logit, bits 6-7 num_tokens (0, the
+/// capacity, a random count, 2^40). Kept alive by the caller for as long as the evictor.
+struct lkv_case {
+  std::vector<float> mlp, logits;
+  template <class P>
+  void apply(typename P::params& p, reader& r, std::int64_t kv_heads, std::int64_t head_dim, int num_layers, std::int64_t capacity,
+             std::uint32_t seed) {
+    using S = typename P::scorer;
+    using Bu = typename P::budgeter;
+    constexpr bool scorer = std::is_same<S, kvevict::scorers::learned_mlp>::value;
+    constexpr bool budgeter = std::is_same<Bu, kvevict::budgeters::headwise_learned>::value;
+    if constexpr (scorer || budgeter) {
+      const std::uint8_t m = r.u8();
+      const int hid = 1 + (m & 3);
+      const std::int32_t heads = static_cast<std::int32_t>(kv_heads + ((m & 4) ? 1 : 0));
+      const std::int32_t layers = (m & 8) ? std::max(1, num_layers / 2) : num_layers;
+      kvtest::rng g(seed + 7);
+      if constexpr (scorer) {
+        const std::int64_t n = layers * heads * S::block_floats(head_dim, hid);
+        mlp.resize(static_cast<std::size_t>(n));
+        for (auto& x : mlp) x = static_cast<float>(0.5 * g.normal());
+        if (m & 16) mlp[seed % mlp.size()] = special(static_cast<std::uint8_t>(seed >> 8));
+        p.scorer.weights = mlp.data();
+        p.scorer.num_layers = layers;
+        p.scorer.kv_heads = heads;
+        p.scorer.head_dim = static_cast<std::int32_t>(head_dim);
+        p.scorer.hidden = hid;
+      }
+      if constexpr (budgeter) {
+        logits.resize(static_cast<std::size_t>(layers * heads));
+        for (auto& x : logits) x = static_cast<float>(g.normal());
+        if (m & 32) logits[seed % logits.size()] = special(static_cast<std::uint8_t>(seed >> 16));
+        p.budgeter.logits = logits.data();
+        p.budgeter.num_layers = layers;
+        p.budgeter.kv_heads = heads;
+        const int t = m >> 6;
+        p.budgeter.num_tokens = t == 0 ? 0 : t == 1 ? capacity : t == 2 ? static_cast<std::int64_t>(r.u8()) : (std::int64_t{1} << 40);
+      }
+    }
+  }
+};
 
 /// Overwrite a fraction of the valid entries of a 4-D buffer with special values.
 template <class T>
@@ -223,6 +282,8 @@ void run_case(reader& r) {
   }
   pr.in.num_layers = num_layers;
   pr.in.layer_idx = layer_idx;
+  lkv_case tables;  // LKV presets: their tables (outlive the evictors below)
+  tables.apply<P>(params, r, s.Hkv, s.D, num_layers, s.S, seed);
   if (traits<P>::needs_wo_matrix) {
     auto& w = pr.in.wo;
     switch (wo_mode & 7) {
@@ -283,6 +344,12 @@ void run_case(reader& r) {
   res.positions.assign(o.positions.get(), o.positions.get() + cap);
   res.scores.assign(o.scores.get(), o.scores.get() + rows * s.S);
   const std::string bad = check_contract(ev, pr, res, budget);
+  if (!bad.empty() && verbose()) {  // the first row's scores and kept slots, to read a violation
+    for (std::int64_t t = 0; t < s.S; ++t) std::fprintf(stderr, "%lld:%.9g ", static_cast<long long>(t), static_cast<double>(res.scores[static_cast<std::size_t>(t)]));
+    std::fprintf(stderr, "\nrow 0 keeps:");
+    for (std::int32_t i = res.indptr[0]; i < res.indptr[1]; ++i) std::fprintf(stderr, " %d", res.indices[static_cast<std::size_t>(i)]);
+    std::fprintf(stderr, "\n");
+  }
   FUZZ_ASSERT(bad.empty(), bad.c_str());
   if (verbose()) {
     std::int64_t valid = 0;
@@ -330,11 +397,14 @@ void dispatch_type(reader& r) {
   }
 }
 
-/// Runs the case of preset number `which` (the first input byte modulo 10; the numbering is the
+/// Runs the case of preset number `which` (the first input byte modulo 15; the numbering is the
 /// corpus format, docs/failure-kinds.md): 0 restkv, 1 snapkv, 2 pyramidkv, 3 adakv, 4 h2o, 5 tova,
-/// 6 streaming_llm, 7 key_norm, 8 criticalkv, 9 critical_adakv. run_presets_a takes 0, 4-7
-/// (fuzz_presets_a.cpp), run_presets_b 1-3, 8, 9 (fuzz_presets_b.cpp).
+/// 6 streaming_llm, 7 key_norm, 8 criticalkv, 9 critical_adakv, 10 adakv_published, 11 lkv,
+/// 12 lkv_uniform_budgets, 13 lkv_budgets_restkv, 14 lkv_budgets_attention. run_presets_a takes 0,
+/// 4-7 (fuzz_presets_a.cpp), run_presets_b 1-3, 8, 9 (fuzz_presets_b.cpp), run_presets_c 10-14
+/// (fuzz_presets_c.cpp).
 void run_presets_a(int which, reader& r);
 void run_presets_b(int which, reader& r);
+void run_presets_c(int which, reader& r);
 
 }  // namespace kvevict_fuzz

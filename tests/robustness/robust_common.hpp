@@ -43,6 +43,11 @@ inline std::string preset_name() {
   if (std::is_same<P, key_norm>::value) return "key_norm";
   if (std::is_same<P, criticalkv>::value) return "criticalkv";
   if (std::is_same<P, critical_adakv>::value) return "critical_adakv";
+  if (std::is_same<P, adakv_published>::value) return "adakv_published";
+  if (std::is_same<P, lkv>::value) return "lkv";
+  if (std::is_same<P, lkv_uniform_budgets>::value) return "lkv_uniform_budgets";
+  if (std::is_same<P, lkv_budgets_restkv>::value) return "lkv_budgets_restkv";
+  if (std::is_same<P, lkv_budgets_attention>::value) return "lkv_budgets_attention";
   return "custom";
 }
 
@@ -287,6 +292,10 @@ struct contract {
   std::int32_t num_sink = 0, num_recent = -1;
   float recent_share = -1.0f;
   bool uniform_budget = true;
+  /// budgeters::headwise_learned (LKV-H): a head's budget is its learned share, not the base
+  /// budget, so a head shorter than the base budget is not always passed through; a row that
+  /// keeps every token is whole (a pass-through, or a budget raised to L by its protected tokens).
+  bool learned_budget = false;
   bool scorer_has_scores = true;
   /// selectors::two_stage (CriticalKV): only the stage-1 part of the rank rule can be checked
   /// from maybe_scores (stage 2 ranks a score the evictor does not return).
@@ -304,6 +313,7 @@ struct contract {
     c.num_recent = p.selector.num_recent;
     c.recent_share = p.selector.recent_share;
     c.uniform_budget = std::is_same<typename P::budgeter, kvevict::budgeters::uniform>::value;
+    c.learned_budget = std::is_same<typename P::budgeter, kvevict::budgeters::headwise_learned>::value;
     c.scorer_has_scores = P::scorer::has_scores;
     if constexpr (std::is_same<typename P::selector, kvevict::selectors::two_stage>::value) {
       c.two_stage = true;
@@ -369,17 +379,20 @@ struct contract {
       for (std::int64_t t = L; t < res.seq; ++t)
         if (sc[t] != 0.0f) return fail("maybe_scores nonzero at a pad slot" + at);
       const std::int64_t B = base_budget(L);
-      if (L <= B) {
+      if (learned_budget && n == L) continue;  // whole row (ascending + in range + count L => 0..L-1)
+      if (!learned_budget && L <= B) {
         if (n != L) return fail("pass-through row keeps " + std::to_string(n) + " of " + std::to_string(L) + at);
         for (std::int64_t t = 0; t < L; ++t)
           if (sc[t] != 0.0f) return fail("maybe_scores nonzero on a pass-through row" + at);
         continue;  // ascending + in range + count L => 0..L-1
       }
+      // (recent_share splits the base budget, as the front-end plans every head before any budgeter)
       const std::int64_t sinks = std::min<std::int64_t>(num_sink, L), R = recent(L, B);
       if (n < sinks + R) return fail("keeps fewer than the protected tokens" + at);
       if (n > L) return fail("keeps more than L" + at);
       if (uniform_budget && n != B) return fail("keeps " + std::to_string(n) + " != budget " + std::to_string(B) + at);
-      if (L > 0 && n == 0) return fail("empty row of a non-empty head" + at);
+      // (a learned budget may be 0: LKV-H's per-head floor is 0 in the paper's setting, spec lkv.md)
+      if (L > 0 && n == 0 && !learned_budget) return fail("empty row of a non-empty head" + at);
       std::vector<char> kept(static_cast<std::size_t>(L), 0);
       for (std::int32_t i = a; i < e; ++i) kept[static_cast<std::size_t>(res.indices[static_cast<std::size_t>(i)])] = 1;
       for (std::int64_t t = 0; t < sinks; ++t)
@@ -409,7 +422,10 @@ struct contract {
           const bool should = i < k;
           if (should != static_cast<bool>(kept[static_cast<std::size_t>(cand[static_cast<std::size_t>(i)])]))
             return fail("candidate " + std::to_string(cand[static_cast<std::size_t>(i)]) +
-                        (should ? " should be kept" : " should be evicted") + " by its maybe_scores rank" + at);
+                        (should ? " should be kept" : " should be evicted") + " by its maybe_scores rank (score " +
+                        std::to_string(sc[cand[static_cast<std::size_t>(i)]]) + ", rank " + std::to_string(i) + " of " +
+                        std::to_string(cand.size()) + ", " + std::to_string(k) + " kept; the score at rank k - 1: " +
+                        (k > 0 ? std::to_string(sc[cand[static_cast<std::size_t>(k - 1)]]) : std::string("none")) + ")" + at);
         }
       } else {
         // No scorer (StreamingLLM): the most recent candidates fill the rest.

@@ -195,11 +195,17 @@ class layer_exchange {
     for (int i = 0; i < layer_terms::count; ++i) mine[base + i] = terms.field(i);
     std::vector<std::int64_t> all(static_cast<std::size_t>(P) * N);
     KVEVICT_TRY(collective(comm_->all_gather(mine, N, all.data()), N));
-    if (!local.ok()) return local;
+    // The lowest failing rank's error is every rank's: the same category on every rank, also when
+    // several ranks fail for different reasons (each names its own as well).
     for (int r = 0; r < P; ++r)
-      if (all[r * N] != 0)
-        return status::error(static_cast<errc>(all[r * N]), "rank %d of %d failed (%s); rank %d did not run the layer", r, P,
-                             to_string(static_cast<errc>(all[r * N])), me);
+      if (all[r * N] != 0) {
+        if (r == me) return local;
+        const errc code = static_cast<errc>(all[r * N]);
+        if (local.ok())
+          return status::error(code, "rank %d of %d failed (%s); rank %d did not run the layer", r, P, to_string(code), me);
+        return status::error(code, "rank %d of %d failed (%s); rank %d did not run the layer either: %s", r, P, to_string(code), me,
+                             local.message());
+      }
     static const char* field[base] = {"status", "shard.global_kv_heads", "", "batch", "out rows per KV head", "layer_idx", "num_layers"};
     std::int64_t held = 0;
     for (int f = 1; f < N; ++f)
