@@ -312,7 +312,9 @@ void run_view_case(reader& r) {
   if (!a.st.ok()) {
     // The same category (the paged table adds no error of its own: it is valid).
     FUZZ_ASSERT(!b.st.ok() || with_prefix, a.st.message());
-    if (!b.st.ok() && !with_prefix) FUZZ_ASSERT(a.st.code() == b.st.code(), (std::string(a.st.message()) + " | " + b.st.message()).c_str());
+    // (unless the table's capacity, its longest row, is below the window: refused first)
+    const bool window_refused = s.W > pg.in.capacity() && std::strstr(b.st.message(), "window =") != nullptr;
+    if (!b.st.ok() && !with_prefix && !window_refused) FUZZ_ASSERT(a.st.code() == b.st.code(), (std::string(a.st.message()) + " | " + b.st.message()).c_str());
     return;
   }
   if (with_prefix) {

@@ -107,6 +107,10 @@ def main():
     # gave one head every token and another none (fixed: a floor of 1 for a head with nothing protected)
     seeds["regress_adakv_empty_head"] = bytes.fromhex("0302273e3e3e400101012805008c0101008c000101011202070307010001" "0800")
     seeds["regress_critical_adakv_empty_head"] = bytes.fromhex("090040030a011a05008c010101120207010003070100")
+    # lkv_budgets_restkv at a tiny temperature: softmax ratios of exactly 0 left the budget to
+    # apportion's one-unit loop (O(total) for a 2^40-token reference; fixed: equal shares)
+    seeds["regress_lkv_zero_ratio_apportion"] = bytes.fromhex(
+        "3a6f4c4450574441600101e201110000000000036c000000036c470101000060300011e9000080000080")
     for name, data in sorted(seeds.items()):
         with open(os.path.join(OUT, name), "wb") as f:
             f.write(data)

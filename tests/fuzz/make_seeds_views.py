@@ -78,6 +78,9 @@ def main():
                     (12, "dst_too_short"), (64 | 1, "dst_longer")):
         seeds["compact_%s" % name] = seed(0, 0, compact=m, G=1, tokens=10)
         seeds["compact_%s_gqa" % name] = seed(10, 1, compact=m, tokens=10)
+    # regression inputs found by fuzzing (raw bytes): lkv_budgets_attention, ratios of exactly 0
+    # (see make_seeds.py's regress_lkv_zero_ratio_apportion)
+    seeds["regress_lkv_zero_ratio_apportion"] = bytes.fromhex("771b303f5d5d23ab2f44454249414e5fc046524f4e54454e44e30383a4828383a54ab6a4")
     for name, b in seeds.items():
         with open(os.path.join(OUT, name), "wb") as f:
             f.write(b)

@@ -223,6 +223,26 @@ TEST_CASE("headwise_learned: ties go to the lower head index; temperature flatte
   CHECK_FALSE(kvevict::detail::lkv_water_fill(z2.data(), 2, 1.0, 201, 100, 0, out.data()));
 }
 
+TEST_CASE("headwise_learned: heads whose ratio underflows to 0 share the rest equally, in O(heads)") {
+  // Found by tests/fuzz/fuzz_evictor: at temperature 1e-30 softmax gives r = {0, 0, 1, 0}; head 2
+  // clips at the cap and the others had shares of 0, which left the rest to apportion's one-unit
+  // loop: O(total) steps (a 2^40-token reference did not finish in 2 minutes).
+  const std::vector<float> z{0.0f, 1.0f, 2.0f, -1.0f};
+  std::vector<std::int64_t> out(4);
+  const std::int64_t cap = std::int64_t{1} << 40, total = 3 * cap;  // head 2 clips; 2 cap left for 3 heads
+  REQUIRE(kvevict::detail::lkv_water_fill(z.data(), 4, 1e-30, total, cap, 0, out.data()));
+  CHECK(out[2] == cap);
+  CHECK(out[0] + out[1] + out[3] == 2 * cap);
+  // 2 cap / 3 each: the largest fractional parts (ties: lower index) take the remainder
+  const std::int64_t third = 2 * cap / 3;
+  CHECK(out[0] == third + 1);
+  CHECK(out[1] == third + 1);
+  CHECK(out[3] == third);
+  // a small case, the same rule: 10 tokens, cap 4: head 2 takes 4, the other three 2 each
+  REQUIRE(kvevict::detail::lkv_water_fill(z.data(), 4, 1e-30, 10, 4, 0, out.data()));
+  CHECK(out == std::vector<std::int64_t>{2, 2, 4, 2});
+}
+
 TEST_CASE("full LKV with the CPU evictor equals the naive reference, layer by layer") {
   for (std::uint64_t seed : {11ull, 12ull, 13ull}) {
     const toy t(3, 2, 4, 8, 57, seed);

@@ -115,12 +115,16 @@ KVEVICT_HOST_DEVICE inline bool lkv_water_fill_shares(const double* r, std::int6
   double rest = static_cast<double>(total - n * floor_each);
   for (;;) {
     double rsum = 0.0;
+    std::int64_t open = 0;
     for (std::int64_t i = 0; i < n; ++i)
-      if (!clipped[i]) rsum += r[i];
+      if (!clipped[i]) rsum += r[i], ++open;
     bool any = false;
     for (std::int64_t i = 0; i < n; ++i) {
       if (clipped[i]) continue;
-      share[i] = rsum > 0.0 ? r[i] / rsum * rest : 0.0;
+      // Every head left has ratio 0 (softmax underflow at a tiny temperature) while units remain:
+      // they share the rest equally. (Shares of 0 left the whole rest to apportion's one-unit
+      // loop: O(total) steps, hours for a 2^40-token reference; found by tests/fuzz/fuzz_evictor.)
+      share[i] = rsum > 0.0 ? r[i] / rsum * rest : rest / static_cast<double>(open);
       if (share[i] > room) any = true;
     }
     if (!any) break;
