@@ -6,7 +6,7 @@
 // (SnapKV); random shapes, lengths, budgets, parameters (fuzz_case.hpp's mutations), shard layouts
 // (contiguous, strided, shuffled, uneven), values with NaN / inf (check_finite on or off); and one
 // fault: a head held twice, a head held by no rank, a head outside the layer, one rank with another
-// budget, sink count, GQA reduction, K/V dtype (bf16), GQA group, observation window, layer index,
+// budget, sink count, GQA reduction, K/V dtype (bf16, or fp16 beside bf16), GQA group, observation window, layer index,
 // global head count, a bad length or a selection capacity too small.
 //
 // Asserts (abort on violation, so libFuzzer records a crash):
@@ -139,7 +139,7 @@ struct lkv_tables {
   std::vector<float> mlp, logits;
 };
 
-template <class P>
+template <class P, class T>
 void run_sharded_case(reader& r) {
   const std::uint8_t shape_byte = r.u8(), fault_byte = r.u8(), layout_byte = r.u8(), flags = r.u8();
   layer L;
@@ -237,7 +237,7 @@ void run_sharded_case(reader& r) {
   if (f == fault::window && L.W < 2) f = fault::none;
 
   // The single-process reference over the whole layer.
-  held<float> whole;
+  held<T> whole;
   std::vector<std::int32_t> all(static_cast<std::size_t>(L.H));
   for (std::int64_t h = 0; h < L.H; ++h) all[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h);
   whole.build(L, all, L.G, L.W, layer_idx, num_layers, seed);
@@ -287,12 +287,16 @@ void run_sharded_case(reader& r) {
     const int li = is_odd && f == fault::layer_idx ? (layer_idx + 1) % (num_layers + 1) : layer_idx;
     const int nl = is_odd && f == fault::layer_idx && li == num_layers ? num_layers + 1 : num_layers;
     const std::int64_t cut = is_odd && f == fault::capacity ? 1 : 0;
-    if (is_odd && f == fault::dtype) {
+    if (is_odd && f == fault::dtype && std::is_same<T, kvevict::bfloat16_t>::value) {
+      held<kvevict::half_t> part;
+      part.build(L, hs, Gr, Wr, li, nl, seed);
+      run_rank<P>(p, part.in, q, &comm, sh, cut, &res[static_cast<std::size_t>(rk)]);
+    } else if (is_odd && f == fault::dtype) {
       held<kvevict::bfloat16_t> part;
       part.build(L, hs, Gr, Wr, li, nl, seed);
       run_rank<P>(p, part.in, q, &comm, sh, cut, &res[static_cast<std::size_t>(rk)]);
     } else {
-      held<float> part;
+      held<T> part;
       part.build(L, hs, Gr, Wr, li, nl, seed);
       if (is_odd && f == fault::bad_length) part.len[0] = (fault_byte & 0x40) ? static_cast<std::int32_t>(L.S + 1) : -1;
       run_rank<P>(p, part.in, q, &comm, sh, cut, &res[static_cast<std::size_t>(rk)]);
@@ -349,16 +353,34 @@ void run_sharded_case(reader& r) {
 }  // namespace
 }  // namespace kvevict_fuzz
 
+namespace kvevict_fuzz {
+namespace {
+/// The storage type of every rank (and of the single-process reference): the preset byte's bits
+/// 3-4 (0 and 3 fp32, 1 fp16, 2 bf16); the dtype fault gives the last rank another one.
+template <class P>
+void dispatch_sharded_type(int t, reader& r) {
+  switch (t) {
+    case 1: run_sharded_case<P, half_t>(r); break;
+    case 2: run_sharded_case<P, bfloat16_t>(r); break;
+    default: run_sharded_case<P, float>(r); break;
+  }
+}
+}  // namespace
+}  // namespace kvevict_fuzz
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   kvevict_fuzz::reader r{data, size};
   using namespace kvevict::presets;
-  switch (r.u8() % 6) {
-    case 0: kvevict_fuzz::run_sharded_case<adakv>(r); break;
-    case 1: kvevict_fuzz::run_sharded_case<critical_adakv>(r); break;
-    case 2: kvevict_fuzz::run_sharded_case<pyramidkv>(r); break;
-    case 3: kvevict_fuzz::run_sharded_case<lkv>(r); break;
-    case 4: kvevict_fuzz::run_sharded_case<adakv_published>(r); break;
-    default: kvevict_fuzz::run_sharded_case<snapkv>(r); break;
+  using kvevict_fuzz::dispatch_sharded_type;
+  const std::uint8_t b = r.u8();
+  const int t = (b >> 3) & 3;
+  switch (b % 8 % 6) {
+    case 0: dispatch_sharded_type<adakv>(t, r); break;
+    case 1: dispatch_sharded_type<critical_adakv>(t, r); break;
+    case 2: dispatch_sharded_type<pyramidkv>(t, r); break;
+    case 3: dispatch_sharded_type<lkv>(t, r); break;
+    case 4: dispatch_sharded_type<adakv_published>(t, r); break;
+    default: dispatch_sharded_type<snapkv>(t, r); break;
   }
   return 0;
 }

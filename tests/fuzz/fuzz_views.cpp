@@ -213,6 +213,11 @@ void run_view_case(reader& r) {
   const bool with_prefix = pm2 & 32;
   kvtest::paged_copy<T> pg;
   kvtest::make_paged(pr.in, ps, pool, per_head, one_head_pages, seed, pg, with_last, spare, reversed, with_start);
+  if (!per_head && with_start == 0) {  // the same table through the public constructor (FlashInfer's paged_kv_t)
+    const kvevict::page_table_view t = kvevict::make_page_table(pg.indptr.data(), pg.indices.data(), pg.in.pages.last_page_len, s.B,
+                                                                pg.in.pages.max_pages_per_row);
+    pg.in.pages = t;
+  }
   const std::int64_t R = per_head ? s.B * s.Hkv : s.B;
   // Slack behind the table's indices (a corrupted indptr may point past indptr[rows]).
   const std::size_t used = pg.indices.size();
