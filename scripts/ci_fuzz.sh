@@ -10,7 +10,7 @@
 # Any crash, sanitizer report or invariant violation fails the run and leaves the reproducer in
 # $FUZZ_BUILD_DIR/artifacts/ (re-run: build-fuzz/<target> <file>).
 #
-#   scripts/ci_fuzz.sh                                          # CI: 30 + 10 + 10 + 15 + 15 s from seed 1
+#   scripts/ci_fuzz.sh                                          # CI: 25 + 5 + 5 + 12 + 12 s from seed 1
 #   FUZZ_SEED=0 FUZZ_SECONDS=3600 scripts/ci_fuzz.sh fuzz_schedule  # one target, a random seed, 1 hour
 #
 # CI's run is a gate, so it is reproducible: a fixed libFuzzer seed (FUZZ_SEED, default 1) makes
@@ -21,9 +21,9 @@
 # docs/failure-kinds.md, "Fuzzing".
 #
 # Arguments: the targets to run (default: all). Environment: FUZZ_BUILD_DIR (default build-fuzz),
-# FUZZ_SECONDS (every target's time; default 30 for fuzz_evictor, 10 each for fuzz_schedule and
-# fuzz_paged, whose inputs run in microseconds, 15 each for fuzz_views and fuzz_sharded: 80 s in
-# all), FUZZ_SEED (default 1; 0 = random), FUZZ_CXX (default clang++-14, else
+# FUZZ_SECONDS (every target's time; default 25 for fuzz_evictor, 5 each for fuzz_schedule and
+# fuzz_paged, whose inputs run in microseconds (50,000-100,000 executions), 12 each for fuzz_views
+# and fuzz_sharded: 59 s in all, as the 60 s of the three targets before), FUZZ_SEED (default 1; 0 = random), FUZZ_CXX (default clang++-14, else
 # clang++), JOBS (default nproc). Needs clang and the compiler-rt fuzzer runtime (Debian: clang-14
 # libclang-rt-14-dev; scripts/setup.sh installs both). ccache as in scripts/test.sh
 # (scripts/build_env.sh).
@@ -48,11 +48,11 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 report=""
 for t in "${targets[@]}"; do
   case $t in
-    fuzz_evictor) seeds=tests/fuzz/corpus; secs=${FUZZ_SECONDS:-30}; max_len=1024 ;;
-    fuzz_schedule) seeds=tests/fuzz/corpus_schedule; secs=${FUZZ_SECONDS:-10}; max_len=1100 ;;
-    fuzz_paged) seeds=tests/fuzz/corpus_paged; secs=${FUZZ_SECONDS:-10}; max_len=512 ;;
-    fuzz_views) seeds=tests/fuzz/corpus_views; secs=${FUZZ_SECONDS:-15}; max_len=512 ;;
-    fuzz_sharded) seeds=tests/fuzz/corpus_sharded; secs=${FUZZ_SECONDS:-15}; max_len=512 ;;
+    fuzz_evictor) seeds=tests/fuzz/corpus; secs=${FUZZ_SECONDS:-25}; max_len=1024 ;;
+    fuzz_schedule) seeds=tests/fuzz/corpus_schedule; secs=${FUZZ_SECONDS:-5}; max_len=1100 ;;
+    fuzz_paged) seeds=tests/fuzz/corpus_paged; secs=${FUZZ_SECONDS:-5}; max_len=512 ;;
+    fuzz_views) seeds=tests/fuzz/corpus_views; secs=${FUZZ_SECONDS:-12}; max_len=512 ;;
+    fuzz_sharded) seeds=tests/fuzz/corpus_sharded; secs=${FUZZ_SECONDS:-12}; max_len=512 ;;
     *) echo "ci_fuzz: unknown target $t" >&2; exit 2 ;;
   esac
   work="$BUILD_DIR/corpus_$t"
