@@ -18,6 +18,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #include "common/alloc_counter.hpp"
 #include "common/bench_data.hpp"
 #include "common/cpu_stage.hpp"
@@ -31,12 +35,12 @@ namespace {
 
 template <class Preset, class T>
 void run_preset(benchmark::State& st, std::int64_t W, double flops, const typename Preset::params& p = Preset::defaults(),
-                std::int32_t num_layers = 0) {
+                std::int32_t num_layers = 0, int threads = 0) {
   const std::int64_t L = st.range(0);
   const auto& data = kb::get_layer<T>(L, W);
   auto in = data.inputs();
   if (num_layers > 0) in.num_layers = num_layers;  // layer 0 of a num_layers model (LKV's global budgets)
-  kvevict::evictor<Preset, kvevict::cpu::backend> ev(p);
+  kvevict::evictor<Preset, kvevict::cpu::backend> ev(p, kvevict::cpu::backend{threads});
   const auto budget = kvevict::budget_request::tokens(static_cast<std::int32_t>(kb::bench_budget(L)));
   const kvevict::status ok = ev.can_implement(in, budget);
   if (!ok.ok()) {
@@ -159,6 +163,24 @@ void BM_lkv_scorer(benchmark::State& st) {
   kb::set_cost(st, kb::D(L), kb::D(2 * kb::kKvHeads * L * d * 4 + kb::kKvHeads * L * 4), flops);
 }
 
+/// A 1-thread SnapKV call (fp32) with the caller's OpenMP and Eigen at N threads, as
+/// torch.set_num_threads(N) leaves OpenMP: cpu::detail::thread_scope keeps the call on its one
+/// thread, so its time should match N = 1 (before it, Eigen parallelised the products inside:
+/// 3.8-10.3x slower from Python). Caller settings restored after the benchmark.
+template <int N>
+void BM_caller_threads(benchmark::State& st) {
+#if defined(_OPENMP)
+  const int omp_saved = omp_get_max_threads(), eigen_saved = Eigen::nbThreads();
+  omp_set_num_threads(N);
+  Eigen::setNbThreads(N);
+#endif
+  run_preset<kvevict::presets::snapkv, float>(st, kb::kWindow, snap_flops(st.range(0), kb::kWindow), kvevict::presets::snapkv::defaults(), 0, 1);
+#if defined(_OPENMP)
+  omp_set_num_threads(omp_saved);
+  Eigen::setNbThreads(eigen_saved);
+#endif
+}
+
 int iters_preset(std::int64_t L) { return L >= 32768 ? 3 : 0; }
 int iters_once(std::int64_t) { return 1; }
 int iters_h2o(std::int64_t L) { return L >= 4096 ? 1 : 0; }
@@ -177,6 +199,9 @@ struct registrar {
     kb::register_seq("lkv_scorer_blocked/f32", BM_lkv_scorer<true>, {4096, 32768}, nullptr);
     kb::register_seq("preset_h2o/f32", BM_h2o<float>, {1024, 4096}, iters_h2o);
     kb::register_seq("preset_h2o/bf16", BM_h2o<bfloat16_t>, {1024, 4096}, iters_h2o);
+    kb::register_seq("caller_threads_1/snapkv_1thread/f32", BM_caller_threads<1>, {4096, 16384}, nullptr);
+    kb::register_seq("caller_threads_2/snapkv_1thread/f32", BM_caller_threads<2>, {4096, 16384}, nullptr);
+    kb::register_seq("caller_threads_8/snapkv_1thread/f32", BM_caller_threads<8>, {4096, 16384}, nullptr);
   }
 } the_registrar;
 

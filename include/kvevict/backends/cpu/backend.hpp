@@ -61,6 +61,37 @@ inline int max_threads(const backend& be) {
 #endif
 }
 
+/// Keeps a kvevict CPU call on the threads it was given, whatever the caller's OpenMP and Eigen
+/// settings (issue: a caller at omp_set_num_threads(2), as `torch.set_num_threads(2)` leaves it,
+/// made Eigen parallelise the products of a 1-thread kvevict call: 3.8-10.3x slower wall time).
+/// While alive, no OpenMP parallel region deeper than kvevict's own can be active: with
+/// `threads` <= 1 none at all (Eigen's GEMM and QR run on the calling thread), with more one level
+/// (kvevict's own parallel_for; Eigen inside it is serial). It sets the calling thread's
+/// max-active-levels ICV, which OpenMP 5.0 scopes to the data environment (one per thread in
+/// libgomp and libomp: the caller's other threads are unaffected), and restores it on exit.
+/// Eigen::setNbThreads() and omp_set_num_threads() are left untouched. No-op without OpenMP.
+class thread_scope {
+ public:
+  explicit thread_scope(int threads) {
+#if defined(_OPENMP)
+    saved_ = omp_get_max_active_levels();
+    omp_set_max_active_levels(omp_get_active_level() + (threads > 1 ? 1 : 0));
+#else
+    (void)threads;
+#endif
+  }
+  ~thread_scope() {
+#if defined(_OPENMP)
+    omp_set_max_active_levels(saved_);
+#endif
+  }
+  thread_scope(const thread_scope&) = delete;
+  thread_scope& operator=(const thread_scope&) = delete;
+
+ private:
+  int saved_ = 0;
+};
+
 /// f(i, thread_id) for i in [0, n) over exactly min(threads, n) threads (a plan's thread count:
 /// thread_id < threads, the per-thread scratch the plan's workspace holds).
 template <class F>

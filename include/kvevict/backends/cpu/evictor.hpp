@@ -586,6 +586,7 @@ template <class T>
 status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const layer_inputs<T>& in, selection_view out, void* workspace,
                                               std::size_t workspace_bytes, float* maybe_scores,
                                               distributed::detail::layer_exchange* ex, const distributed::shard* sh) const {
+  const cpu::detail::thread_scope threads_of_the_plan(pl.num_threads);  // no nested parallelism (Eigen) inside
   const std::int64_t B = in.batch(), Hkv = in.kv_heads(), H = out_heads(in), S = in.capacity();
   const std::int64_t Gq = in.queries.data ? in.group_size() : 1;  // query heads per KV head
   const std::int64_t Gout = Hkv > 0 ? H / Hkv : 1;                 // out rows per KV head (Hkv = 0: refused below)

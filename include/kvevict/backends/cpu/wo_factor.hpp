@@ -5,6 +5,7 @@
 #include <Eigen/QR>
 #include <cstdint>
 
+#include "kvevict/backends/cpu/backend.hpp"
 #include "kvevict/core/numeric.hpp"
 #include "kvevict/core/status.hpp"
 #include "kvevict/core/tensor_view.hpp"
@@ -35,6 +36,7 @@ template <class T>
                          static_cast<long long>(wo.extent[0]), static_cast<long long>(wo.extent[1]),
                          static_cast<long long>(q_heads * head_dim));
   const std::int64_t C = wo.extent[0], d = head_dim;
+  const detail::thread_scope serial(1);  // Eigen's QR on the calling thread, whatever the caller's OpenMP
   for (std::int64_t c = 0; c < C; ++c)
     for (std::int64_t i = 0; i < q_heads * d; ++i)
       if (!is_finite_value(wo(c, i)))
