@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
-FILES=${FUZZ_COVERAGE_FILES:-"core/paged.hpp core/inputs.hpp schedule/decode.hpp distributed/exchange.hpp distributed/fingerprint.hpp distributed/lkv.hpp backends/cpu/compact_paged.hpp backends/cpu/compact.hpp"}
+FILES=${FUZZ_COVERAGE_FILES:-"core/paged.hpp core/inputs.hpp backends/cpu/backend.hpp backends/cpu/evictor.hpp schedule/decode.hpp distributed/exchange.hpp distributed/fingerprint.hpp distributed/lkv.hpp backends/cpu/compact_paged.hpp backends/cpu/compact.hpp"}
 declare -A corpus=([fuzz_evictor]=tests/fuzz/corpus [fuzz_schedule]=tests/fuzz/corpus_schedule [fuzz_paged]=tests/fuzz/corpus_paged
                    [fuzz_views]=tests/fuzz/corpus_views [fuzz_sharded]=tests/fuzz/corpus_sharded)
 if [ $# -ge 1 ]; then
