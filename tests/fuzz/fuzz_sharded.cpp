@@ -127,6 +127,8 @@ void run_rank(const typename P::params& p, const kvevict::layer_inputs<T>& in, c
   out->message = st.ok() ? "ok" : st.message();
   if (!st.ok()) {
     for (std::int64_t i = 0; i <= rows; ++i) out->untouched = out->untouched && o.indptr[static_cast<std::size_t>(i)] == -9;
+    for (std::int64_t i = 0; i < std::max<std::int64_t>(cap, 1); ++i) out->untouched = out->untouched && o.indices[static_cast<std::size_t>(i)] == -9;
+    for (std::int64_t i = 0; i < rows * out->seq; ++i) out->untouched = out->untouched && std::isnan(o.scores[static_cast<std::size_t>(i)]);
     return;
   }
   out->indptr.assign(o.indptr.get(), o.indptr.get() + rows + 1);

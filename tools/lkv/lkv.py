@@ -184,14 +184,17 @@ def water_fill(logits: Sequence[float], temperature: float, total: int, cap: int
     share = [0.0] * n
     while True:
         rsum = 0.0
+        n_open = 0
         for i in range(n):
             if not clipped[i]:
                 rsum += r[i]
+                n_open += 1
         anyc = False
         for i in range(n):
             if clipped[i]:
                 continue
-            share[i] = r[i] / rsum * rest if rsum > 0.0 else 0.0
+            # every head left has ratio 0 (softmax underflow): they share the rest equally, as the C++
+            share[i] = r[i] / rsum * rest if rsum > 0.0 else rest / n_open
             if share[i] > room:
                 anyc = True
         if not anyc:

@@ -63,6 +63,8 @@ def test_water_fill():
             assert all(0 <= b <= t for b in out)
             assert out == ref_water_fill(z, total, t), (trial, n, t, R, z)
     assert lkv.water_fill([0.0] * 4, 1.0, 10, 10) == [3, 3, 2, 2]  # ties: lower index first
+    # ratios that underflow to 0 share the rest equally (as tests/lkv/test_lkv.cpp)
+    assert lkv.water_fill([0.0, 1.0, 2.0, -1.0], 1e-30, 10, 4) == [2, 2, 4, 2]
 
 
 def test_soft_budgets_and_gradients():

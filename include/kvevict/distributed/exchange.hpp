@@ -271,12 +271,16 @@ class layer_exchange {
     const std::int64_t mine = local.ok() ? 0 : static_cast<std::int64_t>(local.code());
     std::vector<std::int64_t> all(static_cast<std::size_t>(P));
     KVEVICT_TRY(collective(comm_->all_gather(&mine, 1, all.data()), 1));
-    if (!local.ok()) return local;
+    // As in agree(): the lowest failing rank's category on every rank.
     for (int r = 0; r < P; ++r)
-      if (all[static_cast<std::size_t>(r)] != 0)
-        return status::error(static_cast<errc>(all[static_cast<std::size_t>(r)]),
-                             "rank %d of %d failed after the budgets (%s); rank %d wrote nothing", r, P,
-                             to_string(static_cast<errc>(all[static_cast<std::size_t>(r)])), me);
+      if (all[static_cast<std::size_t>(r)] != 0) {
+        if (r == me) return local;
+        const errc code = static_cast<errc>(all[static_cast<std::size_t>(r)]);
+        if (local.ok())
+          return status::error(code, "rank %d of %d failed after the budgets (%s); rank %d wrote nothing", r, P, to_string(code), me);
+        return status::error(code, "rank %d of %d failed after the budgets (%s); rank %d wrote nothing, failing too: %s", r, P,
+                             to_string(code), me, local.message());
+      }
     return {};
   }
 

@@ -81,7 +81,8 @@ struct lkv_fill_scratch {
 /// out        int64 (n): budgets with floor_each <= out <= cap and sum(out) == total.
 /// s          scratch for n heads.
 /// Rule: beta_n = r_n * rest; heads with beta_n > cap - floor_each are clipped to it and their
-/// excess handed to the unclipped heads in proportion to r (repeat until nothing clips); then
+/// excess handed to the unclipped heads in proportion to r (repeat until nothing clips; when
+/// every unclipped head has r = 0, a softmax underflow, they share it equally); then
 /// floor, and the remaining units go to the largest fractional parts, ties to the lower head
 /// index (detail::apportion). Deterministic. Cost: O(n) per clipping round + apportion's
 /// O(n^2) worst case. Returns false (out untouched) when the arguments violate the ranges.

@@ -37,11 +37,12 @@ int os_threads() {
 
 struct layer {
   // SnapKV's window attention at a size where Eigen's GEMM would parallelise (G W rows x d x L =
-  // 128 x 64 x 4096, far above Eigen's 50,000-flop threshold per thread)
-  static constexpr std::int64_t B = 1, H = 2, G = 4, S = 4096, d = 64, W = 32;
+  // 128 x 64 x 4096, far above Eigen's 50,000-flop threshold per thread); H KV heads
+  static constexpr std::int64_t B = 1, G = 4, S = 4096, d = 64, W = 32;
+  std::int64_t H = 2;
   std::vector<float> k, v, q;
   kv::layer_inputs<float> in;
-  layer() {
+  explicit layer(std::int64_t heads = 2) : H(heads) {
     kvtest::rng r(5);
     for (std::int64_t i = 0; i < B * H * S * d; ++i) k.push_back(static_cast<float>(r.normal()));
     v = k;
@@ -91,6 +92,13 @@ TEST_CASE("a 1-thread call opens no parallel region with the caller's OpenMP and
     CHECK(select(L, 1) == sel1);
   }
   CHECK(os_threads() == 1);
+  // a 2-thread plan over one KV head (MQA, or a sharded rank with one head): one task, run on the
+  // calling thread, where Eigen must not open a region either
+  omp_set_num_threads(8);
+  Eigen::setNbThreads(8);
+  const layer one(1);
+  CHECK(!select(one, 2).empty());
+  CHECK_MESSAGE(os_threads() == 1, "a 2-thread call with one task let Eigen start OpenMP workers");
   // a 2-thread call opens its own region of 2 (one worker), and Eigen does not nest inside it
   omp_set_num_threads(8);
   Eigen::setNbThreads(8);
@@ -98,5 +106,24 @@ TEST_CASE("a 1-thread call opens no parallel region with the caller's OpenMP and
   CHECK(os_threads() == 2);
   CHECK(omp_get_max_threads() == 8);
   CHECK(omp_get_max_active_levels() == levels);
+#endif
+}
+
+TEST_CASE("called from inside the caller's parallel region, a 2-thread call does not nest a team") {
+#if defined(_OPENMP)
+  const layer L;
+  const std::vector<std::int32_t> ref = select(L, 1);
+  const int levels = omp_get_max_active_levels();
+  std::vector<std::vector<std::int32_t>> got(2);
+  int nested_levels = -1;
+#pragma omp parallel num_threads(2)
+  {
+    got[static_cast<std::size_t>(omp_get_thread_num())] = select(L, 2);
+    if (omp_get_thread_num() == 0) nested_levels = omp_get_max_active_levels();
+  }
+  CHECK(got[0] == ref);
+  CHECK(got[1] == ref);
+  CHECK(nested_levels == levels);  // restored inside the caller's region too
+  CHECK(os_threads() <= 2);        // the caller's team of 2; kvevict's calls did not nest a team of 2 each
 #endif
 }

@@ -61,35 +61,50 @@ inline int max_threads(const backend& be) {
 #endif
 }
 
-/// Keeps a kvevict CPU call on the threads it was given, whatever the caller's OpenMP and Eigen
-/// settings (issue: a caller at omp_set_num_threads(2), as `torch.set_num_threads(2)` leaves it,
-/// made Eigen parallelise the products of a 1-thread kvevict call: 3.8-10.3x slower wall time).
-/// While alive, no OpenMP parallel region deeper than kvevict's own can be active: with
-/// `threads` <= 1 none at all (Eigen's GEMM and QR run on the calling thread), with more one level
-/// (kvevict's own parallel_for; Eigen inside it is serial). It sets the calling thread's
-/// max-active-levels ICV, which OpenMP 5.0 scopes to the data environment (one per thread in
-/// libgomp and libomp: the caller's other threads are unaffected), and restores it on exit.
-/// Eigen::setNbThreads() and omp_set_num_threads() are left untouched. No-op without OpenMP.
+/// Keeps a kvevict CPU call on the threads it was given, whatever the caller's OpenMP settings
+/// (issue: a caller at omp_set_num_threads(8), as `torch.set_num_threads(8)` leaves it, made Eigen
+/// parallelise the products of a 1-thread kvevict call: 2.0 s of CPU in 1.4 s of wall time
+/// instead of 0.06 s). While alive, on the calling thread:
+///  - max-active-levels allows no OpenMP region deeper than kvevict's own: none with `threads`
+///    <= 1 (Eigen's GEMM and QR run on the calling thread), one level more with more threads
+///    (kvevict's own parallel_for_threads; Eigen inside it sees a team and stays serial). Never
+///    above the caller's own limit: called from inside the caller's parallel region, or with
+///    nesting turned off, kvevict's region is not made to nest (its work runs on the calling
+///    thread, with the same results);
+///  - the thread count (nthreads-var) is 1, so that Eigen's nbThreads() is 1 unless the caller set
+///    it with Eigen::setNbThreads, and Eigen blocks its products as for one thread: the same bits
+///    whatever the caller's omp_set_num_threads (with Eigen::setNbThreads(n > 1), products deeper
+///    than about 320, such as ReST-KV's over the sequence, are blocked for n threads and may
+///    differ in the last bits; kvevict does not change that process-wide setting).
+/// Both are restored on exit (RAII: every return path). Both ICVs have data-environment scope in
+/// OpenMP 5.0, one per thread in libgomp (GCC >= 11) and libomp: checked with libgomp 12 and
+/// libomp 14, a thread at 0 levels beside one opening a region of 4; an older runtime that keeps
+/// max-active-levels process-wide would let concurrent calls race on it. No-op without OpenMP.
 class thread_scope {
  public:
   explicit thread_scope(int threads) {
 #if defined(_OPENMP)
-    saved_ = omp_get_max_active_levels();
-    omp_set_max_active_levels(omp_get_active_level() + (threads > 1 ? 1 : 0));
+    saved_levels_ = omp_get_max_active_levels();
+    saved_threads_ = omp_get_max_threads();
+    const int want = omp_get_active_level() + (threads > 1 ? 1 : 0);
+    omp_set_max_active_levels(want < saved_levels_ ? want : saved_levels_);
+    omp_set_num_threads(1);
 #else
     (void)threads;
 #endif
   }
   ~thread_scope() {
 #if defined(_OPENMP)
-    omp_set_max_active_levels(saved_);
+    omp_set_num_threads(saved_threads_);
+    omp_set_max_active_levels(saved_levels_);
 #endif
   }
   thread_scope(const thread_scope&) = delete;
   thread_scope& operator=(const thread_scope&) = delete;
 
  private:
-  int saved_ = 0;
+  int saved_levels_ = 0;
+  int saved_threads_ = 1;
 };
 
 /// f(i, thread_id) for i in [0, n) over exactly min(threads, n) threads (a plan's thread count:
@@ -103,6 +118,9 @@ inline void parallel_for_threads(int threads, std::int64_t n, F&& f) {
     for (std::int64_t i = 0; i < n; ++i) f(i, omp_get_thread_num());
     return;
   }
+  // One task (or one thread): on the calling thread, where a many-thread plan's scope still
+  // allows a region; close it so that Eigen cannot open one here.
+  const thread_scope serial(1);
 #endif
   (void)threads;
   for (std::int64_t i = 0; i < n; ++i) f(i, 0);
