@@ -384,11 +384,7 @@ void run_view_case(reader& r) {
 
 template <class P>
 void dispatch_view_type(reader& r) {
-  switch (r.u8() % 3) {
-    case 0: run_view_case<P, float>(r); break;
-    case 1: run_view_case<P, half_t>(r); break;
-    default: run_view_case<P, bfloat16_t>(r); break;
-  }
+  visit_storage_type(r.u8() % 3, [&](auto t) { run_view_case<P, typename decltype(t)::type>(r); });
 }
 
 }  // namespace
