@@ -51,7 +51,7 @@ using namespace kvevict_fidelity;
 namespace {
 
 struct options {
-    std::string model_flag, data_flag, text_flag, out_dir = ".", only, artifact_flag, decode_artifact_flag;
+    std::string model_flag, data_flag, text_flag, out_dir = ".", only, artifact_flag, decode_artifact_flag, dump;
     int prompts = 6, prompt_tokens = 96, context = 0, threads = 2;  // context 0: the model's seq_len
     std::vector<double> keeps{0.1, 0.2, 0.3};
     std::vector<int> intervals{1, 16, 64};
@@ -63,7 +63,7 @@ int usage(const char* argv0, const std::string& why) {
     std::fprintf(stderr,
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--text FILE] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
                  "          [--context N] [--keeps F,F,..] [--intervals S,S,..] [--methods NAME,..] [--artifact FILE]\n"
-                 "          [--decode-artifact FILE] [--threads N]\n"
+                 "          [--decode-artifact FILE] [--threads N] [--dump FILE]\n"
                  "  --model DIR        model folder (default $KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K)\n"
                  "  --data DIR         folder with sherlock.txt (default $KVEVICT_DATA_DIR, else <repo>/../shared/data/text)\n"
                  "  --text FILE        the prose the excerpts come from instead of <data>/sherlock.txt\n"
@@ -77,7 +77,9 @@ int usage(const char* argv0, const std::string& why) {
                  "  --artifact FILE    LKV tables (default $KVEVICT_LKV_ARTIFACT, else <repo>/artifacts/lkv/stories260K.lkv)\n"
                  "  --decode-artifact FILE  LKV tables trained for decoding, rows 'LKVd ...' (default $KVEVICT_LKV_DECODE_ARTIFACT,\n"
                  "                     else <repo>/artifacts/lkv/stories260K_decode.lkv; rows left out when missing)\n"
-                 "  --threads N        runs in parallel (default 2; the figures do not depend on it)\n",
+                 "  --threads N        runs in parallel (default 2; the figures do not depend on it)\n"
+                 "  --dump FILE        tab-separated: each excerpt's prompt and fed tokens, and every run's KL (%%.17g), for\n"
+                 "                     tests/python/test_press.py's decode-time check\n",
                  argv0);
     return 2;
 }
@@ -186,6 +188,7 @@ int main(int argc, char** argv) {
         else if (a == "--methods") opt.only = v;
         else if (a == "--artifact") opt.artifact_flag = v;
         else if (a == "--decode-artifact") opt.decode_artifact_flag = v;
+        else if (a == "--dump") opt.dump = v;
         else if (a == "--keeps") keeps_flag = v;
         else if (a == "--intervals") intervals_flag = v;
         else if (a == "--prompts") prompts_flag = v;
@@ -388,6 +391,28 @@ int main(int argc, char** argv) {
             }
             std::printf("\n");
         }
+    }
+    if (!opt.dump.empty()) {  // lines: prompt <p> <tokens>; fed <p> <tokens>; kl <row> <keep> <cap> <interval> <p> <KL>
+        std::FILE* d = std::fopen(opt.dump.c_str(), "w");
+        if (!d) {
+            std::fprintf(stderr, "error: cannot write --dump %s\n", opt.dump.c_str());
+            return 1;
+        }
+        for (size_t p = 0; p < prompts.size(); ++p) {
+            std::fprintf(d, "prompt\t%zu\t", p);
+            for (size_t i = 0; i < prompts[p].size(); ++i) std::fprintf(d, i ? " %d" : "%d", prompts[p][i]);
+            std::fprintf(d, "\nfed\t%zu\t", p);
+            for (size_t i = 0; i < refs[p].fed.size(); ++i) std::fprintf(d, i ? " %d" : "%d", refs[p].fed[i]);
+            std::fprintf(d, "\n");
+        }
+        for (size_t r = 0; r < rows.size(); ++r)
+            for (size_t k = 0; k < caps.size(); ++k)
+                for (size_t b = 0; b < opt.intervals.size(); ++b)
+                    for (size_t p = 0; p < prompts.size(); ++p)
+                        if (rows[r].has_interval || b == 0)
+                            std::fprintf(d, "kl\t%s\t%g\t%d\t%d\t%zu\t%.17g\n", rows[r].name.c_str(), opt.keeps[k], caps[k],
+                                         rows[r].has_interval ? opt.intervals[b] : 0, p, at(r, k, b, p).kl);
+        std::fclose(d);
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("\nKL: mean KL(full || evicted) over the %d generated positions, nats, mean over excerpts; top1: agreement with the full "

@@ -5,7 +5,9 @@ KV head keeps under a budget; ``compact`` then moves the kept tokens to the fron
 The tensors are read in place through DLPack (strides honoured, NHD or HND, float32, float16 or
 bfloat16); arithmetic is float32, as in the C++ library.
 
-Shapes (``layout="HND"``, the Hugging Face order, is the default):
+Shapes (``layout="HND"`` is the Hugging Face order; ``layout=`` may be left out only where the
+shapes of queries / lengths / positions tell the two layouts apart, else ``kvevict.Error`` asks
+for it):
 
 ============  ==================================  ==================================
 argument      layout="HND"                        layout="NHD"
@@ -22,8 +24,9 @@ logical position of each slot. ``wo`` is the layer's output projection as nn.Lin
 ``wo_factors(wo, q_heads)``, [q_heads, head_dim, head_dim] float32.
 
 A budget is an ``int`` (tokens per head, protected tokens included, the papers' "B") or a
-``float`` in (0, 1] (keep fraction of each head's length). Head-wise methods (PyramidKV, AdaKV,
-CriticalAdaKV, LKV) move budget between heads and keep the layer's total.
+``float`` in (0, 1] (keep fraction of each head's length); or, instead, ``compression_ratio``
+(kvpress's: the fraction removed). Head-wise methods (PyramidKV, AdaKV, CriticalAdaKV, LKV) move
+budget between heads and keep the layer's total. ``DecodeSchedule`` evicts while generating.
 
 Example::
 
@@ -32,29 +35,81 @@ Example::
     v = torch.randn_like(k)
     q = torch.randn(1, 32, 32, 128, dtype=torch.float16)         # the last 32 queries, 32 heads
     sel = kvevict.select("snapkv", queries=q, keys=k, values=v, budget=1024)
-    kept = sel.padded()                                          # [1, 8, 1024] int32 slots
+    kept = sel.padded()                                          # [1, 8, 1024] int64 slots
     lengths = kvevict.compact(k, sel); kvevict.compact(v, sel)   # in place; new lengths [1, 8]
 
 Bad input raises ``kvevict.Error`` (a ValueError) with the library's message, which names the
-argument and its value; nothing is written then. Papers and parameters: docs/python.md.
+argument and its value; nothing is written then. A call Python cannot bind (a missing or unknown
+keyword) raises ``kvevict.ArgumentError``, a subclass of both ``kvevict.Error`` and TypeError.
+Papers and parameters: docs/python.md.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import numbers
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 import torch
 import torch.utils.dlpack
 
 from . import _C
 
-__all__ = ["Error", "Evictor", "Selection", "compact", "defaults", "methods", "select", "wo_factors", "__version__"]
+__all__ = ["ArgumentError", "DecodeAction", "DecodeSchedule", "Error", "Evictor", "Selection", "compact", "defaults", "methods",
+           "select", "wo_factors", "__version__"]
 
 __version__: str = _C.version
 
 #: The exception of every kvevict error (a ValueError): the library's message, naming the argument.
 Error = _C.Error
+
+
+class ArgumentError(Error, TypeError):
+    """A call kvevict cannot bind: a required argument missing, an unknown keyword, too many
+    positional arguments. A ``kvevict.Error`` (so one ``except kvevict.Error`` catches every
+    kvevict failure) and a ``TypeError`` (what Python raises for the same mistake elsewhere)."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _api(fn: _F) -> _F:
+    """Binds a public function's arguments first: a call Python would refuse with TypeError raises
+    ``ArgumentError`` naming the argument (and the function) instead."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise ArgumentError(f"kvevict: {fn.__qualname__.replace('.__init__', '')}: {e}") from None
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _as_int(v: Any) -> Optional[int]:
+    """v as a Python int when it is an integer scalar (int, numpy integer, 0-d integer tensor), else None.
+    bool is not an integer here."""
+    if isinstance(v, (bool,)) or type(v).__name__ == "bool_":
+        return None
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        return int(v)
+    return None
+
+
+def _as_float(v: Any) -> Optional[float]:
+    """v as a Python float when it is a real, non-integer scalar (float, numpy floating, 0-d float tensor)."""
+    if isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral) and type(v).__name__ != "bool_":
+        return float(v)
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
+        return float(v)
+    return None
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STAGES = ("scorer", "temporal", "spatial", "budgeter", "selector")
@@ -81,13 +136,21 @@ def _params(params: Dict[str, Any]) -> Dict[str, Any]:
         name = _param_name(k)
         if name in out:
             raise Error(f"kvevict: parameter {name} is given twice (as {k} and as another spelling)")
+        if not isinstance(v, (bool, str)):  # numpy / torch scalars as Python numbers
+            i = _as_int(v)
+            f = _as_float(v) if i is None else None
+            v = i if i is not None else (f if f is not None else v)
+            if type(v).__name__ == "bool_":
+                v = bool(v)
         out[name] = v
     return out
 
 
 def _int_arg(name: str, v: Any, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
+    i = _as_int(v)
+    if i is None:
         raise Error(f"kvevict: {name} must be an int, got {v!r}")
+    v = i
     if not lo <= v <= hi:
         raise Error(f"kvevict: {name} = {v} must be in [{lo}, {hi}]")
     return v
@@ -99,6 +162,7 @@ def _method_arg(method: Any) -> str:
     return method
 
 
+@_api
 def defaults(method: str, artifact: Optional[str] = None) -> Dict[str, Any]:
     """The method's parameters as the papers publish them, by dotted name.
 
@@ -138,16 +202,18 @@ class Selection:
         return bool((c == c.flatten()[0]).all()) if c.numel() else True
 
     def padded(self, fill: int = -1) -> torch.Tensor:
-        """The kept slots as [batch, heads, k], k the largest count; rows with fewer are padded
-        with ``fill``. For uniform budgets this is a view of ``indices`` (no padding)."""
+        """The kept slots as [batch, heads, k] **int64** (what ``torch.gather`` and indexing take),
+        k the largest count; rows with fewer are padded with ``fill``. A new tensor, on the
+        selection's device."""
+        fill = _int_arg("fill", fill, -(2**63), 2**63 - 1)
         c = self.counts().flatten()
         k = int(c.max()) if c.numel() else 0
         if self.uniform:
-            return self.indices.view(self.batch, self.heads, k)
-        out = torch.full((self.batch * self.heads, k), fill, dtype=torch.int32)
-        col = torch.arange(k, dtype=torch.int64).unsqueeze(0)
+            return self.indices.to(torch.int64).view(self.batch, self.heads, k)
+        out = torch.full((self.batch * self.heads, k), fill, dtype=torch.int64, device=self.indices.device)
+        col = torch.arange(k, dtype=torch.int64, device=self.indices.device).unsqueeze(0)
         mask = col < c.to(torch.int64).unsqueeze(1)
-        out[mask] = self.indices
+        out[mask] = self.indices.to(torch.int64)
         return out.view(self.batch, self.heads, k)
 
 
@@ -179,22 +245,71 @@ def _dl(t: Optional[torch.Tensor]):
     return None if t is None else torch.utils.dlpack.to_dlpack(t)
 
 
-def _check_layout(layout: str) -> str:
-    if layout not in ("NHD", "HND"):
+def _check_layout(layout: Optional[str]) -> Optional[str]:
+    if layout is not None and layout not in ("NHD", "HND"):
         raise Error(f"kvevict: layout = {layout!r} is not 'NHD' or 'HND'")
     return layout
 
 
-def _budget(budget: Union[int, float]) -> Tuple[int, float]:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise Error(f"kvevict: budget must be an int (tokens per head) or a float in (0, 1] (keep fraction), got {budget!r}")
-    if isinstance(budget, int):
-        if budget < 1 or budget > 2**31 - 1:
-            raise Error(f"kvevict: budget = {budget} tokens must be in [1, 2^31 - 1]")
-        return budget, 0.0
-    if not (0.0 < budget <= 1.0):
-        raise Error(f"kvevict: budget = {budget!r} as a keep fraction must be in (0, 1] (pass an int for tokens)")
-    return 0, float(budget)
+def _infer_layout(keys: torch.Tensor, queries: Optional[torch.Tensor], lengths: Optional[torch.Tensor],
+                  positions: Optional[torch.Tensor]) -> str:
+    """The layout of 4-D keys when ``layout=`` is not given: the one layout under which the other
+    arguments' shapes fit (queries' heads a multiple of the keys' heads with the same batch and
+    head_dim, lengths [batch, kv_heads], positions [batch, kv_heads, seq]). Ambiguous (both fit, or
+    nothing to tell them apart): an Error asking for ``layout=``."""
+    if keys.dim() != 4 or (queries is None and lengths is None and positions is None):
+        raise Error(f"kvevict: layout is not given and keys {tuple(keys.shape)} alone do not tell [batch, kv_heads, seq, head_dim] "
+                    "(layout='HND') from [batch, seq, kv_heads, head_dim] (layout='NHD'): pass layout=")
+    fits = []
+    for lay, h_ax, s_ax in (("HND", 1, 2), ("NHD", 2, 1)):
+        hk, seq = keys.shape[h_ax], keys.shape[s_ax]
+        ok = True
+        if queries is not None:
+            qh = queries.shape[h_ax] if queries.dim() == 4 else -1
+            ok = ok and queries.dim() == 4 and queries.shape[0] == keys.shape[0] and queries.shape[3] == keys.shape[3] \
+                and hk > 0 and qh > 0 and qh % hk == 0
+        if lengths is not None:
+            ok = ok and lengths.dim() == 2 and tuple(lengths.shape) == (keys.shape[0], hk)
+        if positions is not None:
+            ok = ok and positions.dim() == 3 and tuple(positions.shape) == (keys.shape[0], hk, seq)
+        if ok:
+            fits.append(lay)
+    if len(fits) == 1:
+        return fits[0]
+    q = "" if queries is None else f", queries {tuple(queries.shape)}"
+    why = "fit both layouts" if fits else "fit neither layout"
+    raise Error(f"kvevict: layout is not given and keys {tuple(keys.shape)}{q} {why}: pass layout='HND' "
+                "([batch, heads, seq, head_dim]) or layout='NHD' ([batch, seq, heads, head_dim])")
+
+
+def _budget(budget: Any, compression_ratio: Any = None, name: str = "budget") -> Tuple[int, float]:
+    """(keep_tokens, keep_fraction) of exactly one of ``budget`` (int tokens per head or float keep
+    fraction in (0, 1]) and ``compression_ratio`` (kvpress's: the fraction removed, in [0, 1))."""
+    if compression_ratio is not None:
+        if budget is not None:
+            raise Error(f"kvevict: pass one of {name} and compression_ratio, not both ({name} = {budget!r}, "
+                        f"compression_ratio = {compression_ratio!r})")
+        cr = _as_float(compression_ratio)
+        if cr is None and _as_int(compression_ratio) == 0:
+            cr = 0.0
+        if cr is None or not (0.0 <= cr < 1.0):
+            raise Error(f"kvevict: compression_ratio = {compression_ratio!r} must be a float in [0, 1) (the fraction of each "
+                        "head's tokens removed, as in kvpress)")
+        return 0, 1.0 - cr
+    if budget is None:
+        raise ArgumentError(f"kvevict: {name} is required (an int: tokens per head; a float in (0, 1]: keep fraction), "
+                            "or compression_ratio= (the fraction removed)")
+    i = _as_int(budget)
+    if i is not None:
+        if i < 1 or i > 2**31 - 1:
+            raise Error(f"kvevict: {name} = {i} tokens must be in [1, 2^31 - 1]")
+        return i, 0.0
+    f = _as_float(budget)
+    if f is None:
+        raise Error(f"kvevict: {name} must be an int (tokens per head) or a float in (0, 1] (keep fraction), got {budget!r}")
+    if not (0.0 < f <= 1.0):
+        raise Error(f"kvevict: {name} = {budget!r} as a keep fraction must be in (0, 1] (pass an int for tokens)")
+    return 0, f
 
 
 class Evictor:
@@ -202,18 +317,27 @@ class Evictor:
 
     The plan (shapes, budget, lengths) and the workspace are cached: a call with the shapes,
     strides, budget and lengths of the previous call reuses both and allocates nothing but the
-    returned selection (``stats()`` counts plans and workspace allocations). Not thread-safe:
-    use one Evictor per thread (the CPU backend parallelises over heads inside a call).
+    returned selection (``stats()`` counts plans and workspace allocations). Threads: calls on one
+    Evictor from several threads are serialised (a lock per object; the GIL is released during the
+    C++ call), so sharing one is safe but not parallel: for parallel calls use one Evictor per
+    thread. Inside a call the CPU backend uses ``num_threads`` threads over heads.
 
     ``method``: one of ``methods()``; ``artifact``: an LKV artifact path (LKV methods only);
     ``params``: overrides of ``defaults(method)``, e.g. ``temporal_alpha=0.3, spatial_kernel=7,
     selector_num_sink=4, gqa="max"``. An unknown name or a bad value raises ``Error``.
     """
 
+    @_api
     def __init__(self, method: str, artifact: Optional[str] = None, **params: Any) -> None:
         if artifact is not None and not isinstance(artifact, (str, os.PathLike)):
             raise Error(f"kvevict: artifact must be a path, got {artifact!r}")
+        self._artifact = None if artifact is None else os.fspath(artifact)
         self._impl = _C.Evictor(_method_arg(method), _params(params), "" if artifact is None else os.fspath(artifact))
+
+    @property
+    def artifact(self) -> Optional[str]:
+        """The LKV artifact path the evictor was made with (None for the other methods)."""
+        return self._artifact
 
     @property
     def method(self) -> str:
@@ -230,28 +354,39 @@ class Evictor:
         binding's overhead: argument checks, DLPack export, result tensors)."""
         return dict(self._impl.stats())
 
-    def select(self, *, keys: torch.Tensor, budget: Union[int, float], queries: Optional[torch.Tensor] = None,
-               values: Optional[torch.Tensor] = None, layout: str = "HND", lengths: Optional[torch.Tensor] = None,
+    @_api
+    def select(self, *, keys: torch.Tensor, budget: Union[int, float, None] = None, queries: Optional[torch.Tensor] = None,
+               values: Optional[torch.Tensor] = None, layout: Optional[str] = None, lengths: Optional[torch.Tensor] = None,
                positions: Optional[torch.Tensor] = None, wo: Optional[torch.Tensor] = None,
                wo_factor: Optional[torch.Tensor] = None, layer_idx: int = 0, num_layers: int = 1,
-               return_scores: bool = False, num_threads: int = 0) -> Selection:
+               return_scores: bool = False, num_threads: int = 0, compression_ratio: Optional[float] = None) -> Selection:
         """Select one layer's kept tokens (see the module docstring for shapes).
 
+        Budget: exactly one of ``budget`` (int: tokens per head; float in (0, 1]: keep fraction)
+        and ``compression_ratio`` (kvpress's: the fraction of each head's tokens removed, in
+        [0, 1); keeps floor(length * (1 - compression_ratio)) tokens, raised to the protected
+        ones). ``layout``: "HND" or "NHD"; when not given it is inferred only where the shapes of
+        queries / lengths / positions leave no doubt, else an Error asks for it.
         ``layer_idx``/``num_layers`` feed per-layer methods (PyramidKV's schedule, LKV's tables).
-        ``num_threads`` = 0 uses OpenMP's default. Returns a ``Selection``.
+        ``num_threads`` = 0 uses OpenMP's default. Integer and float arguments may be Python,
+        numpy or 0-d torch scalars. Returns a ``Selection``.
         """
         _check_layout(layout)
-        keep_tokens, keep_fraction = _budget(budget)
+        keep_tokens, keep_fraction = _budget(budget, compression_ratio)
         layer_idx = _int_arg("layer_idx", layer_idx, 0, 2**31 - 1)
         num_layers = _int_arg("num_layers", num_layers, 1, 65536)
         num_threads = _int_arg("num_threads", num_threads, 0, 256)
         if not isinstance(return_scores, bool):
             raise Error(f"kvevict: return_scores must be a bool, got {return_scores!r}")
-        k = _layout_view("keys", _check_tensor("keys", keys, _FLOAT_DTYPES, 4), layout)
-        q = None if queries is None else _layout_view("queries", _check_tensor("queries", queries, _FLOAT_DTYPES, 4), layout)
-        v = None if values is None else _layout_view("values", _check_tensor("values", values, _FLOAT_DTYPES, 4), layout)
+        k = _check_tensor("keys", keys, _FLOAT_DTYPES, 4)
+        q = None if queries is None else _check_tensor("queries", queries, _FLOAT_DTYPES, 4)
         ln = None if lengths is None else _check_tensor("lengths", lengths, (torch.int32,), 2)
         pos = None if positions is None else _check_tensor("positions", positions, (torch.int32,), 3)
+        if layout is None:
+            layout = _infer_layout(k, q, ln, pos)
+        k = _layout_view("keys", k, layout)
+        q = None if q is None else _layout_view("queries", q, layout)
+        v = None if values is None else _layout_view("values", _check_tensor("values", values, _FLOAT_DTYPES, 4), layout)
         w = None if wo is None else _check_tensor("wo", wo, _FLOAT_DTYPES, 2)
         wf = None if wo_factor is None else _check_tensor("wo_factor", wo_factor, (torch.float32,), 3)
         stream = torch.cuda.current_stream(k.device).cuda_stream if k.device.type == "cuda" else 0
@@ -298,12 +433,13 @@ def _cached_evictor(method: str, artifact: Optional[str], params: Dict[str, Any]
     return ev
 
 
-def select(method: str, *, keys: torch.Tensor, budget: Union[int, float], queries: Optional[torch.Tensor] = None,
-           values: Optional[torch.Tensor] = None, layout: str = "HND", lengths: Optional[torch.Tensor] = None,
+@_api
+def select(method: str, *, keys: torch.Tensor, budget: Union[int, float, None] = None, queries: Optional[torch.Tensor] = None,
+           values: Optional[torch.Tensor] = None, layout: Optional[str] = None, lengths: Optional[torch.Tensor] = None,
            positions: Optional[torch.Tensor] = None, wo: Optional[torch.Tensor] = None,
            wo_factor: Optional[torch.Tensor] = None, layer_idx: int = 0, num_layers: int = 1,
            return_scores: bool = False, artifact: Optional[str] = None, num_threads: int = 0,
-           **params: Any) -> Selection:
+           compression_ratio: Optional[float] = None, **params: Any) -> Selection:
     """Select the tokens one layer keeps with ``method`` (``methods()``) and the papers' defaults
     overridden by ``params`` (``defaults(method)``; ``temporal_alpha=0.3`` sets "temporal.alpha").
 
@@ -313,14 +449,16 @@ def select(method: str, *, keys: torch.Tensor, budget: Union[int, float], querie
     ev = _cached_evictor(method, artifact, params)
     return ev.select(keys=keys, budget=budget, queries=queries, values=values, layout=layout, lengths=lengths,
                      positions=positions, wo=wo, wo_factor=wo_factor, layer_idx=layer_idx, num_layers=num_layers,
-                     return_scores=return_scores, num_threads=num_threads)
+                     return_scores=return_scores, num_threads=num_threads, compression_ratio=compression_ratio)
 
 
-def compact(cache: torch.Tensor, selection: Selection, layout: str = "HND") -> torch.Tensor:
+@_api
+def compact(cache: torch.Tensor, selection: Selection, layout: Optional[str] = None) -> torch.Tensor:
     """Compact a K or V cache in place: slot i of row r takes the row's i-th kept slot.
 
     ``cache`` is [batch, heads, seq, dim] (HND) or [batch, seq, heads, dim] (NHD), float32,
-    float16 or bfloat16, the tensor the selection was made for, or a positions tensor
+    float16 or bfloat16, the tensor the selection was made for (``layout`` may be left out only
+    where the selection's heads fit one axis and not the other), or a positions tensor
     [batch, heads, seq] int32 that moves with it (heads = the selection's heads:
     a per-query-head selection cannot be compacted into a kv_heads cache). Slots past a row's
     count keep their old contents. Returns the new lengths, [batch, heads] int32. On error the
@@ -337,7 +475,14 @@ def compact(cache: torch.Tensor, selection: Selection, layout: str = "HND") -> t
     if isinstance(cache, torch.Tensor) and cache.dtype == torch.int32 and cache.dim() == 3:
         c = _check_tensor("cache", cache, (torch.int32,), 3).unsqueeze(-1)  # positions [batch, heads, seq]
     else:
-        c = _layout_view("cache", _check_tensor("cache", cache, _FLOAT_DTYPES, 4), layout)
+        c = _check_tensor("cache", cache, _FLOAT_DTYPES, 4)
+        if layout is None:
+            fits = [lay for lay, ax in (("HND", 1), ("NHD", 2)) if c.shape[0] == selection.batch and c.shape[ax] == selection.heads]
+            if len(fits) != 1:
+                raise Error(f"kvevict: layout is not given and cache {tuple(c.shape)} has {selection.heads} heads on "
+                            f"{'both axes 1 and 2' if fits else 'neither axis 1 nor 2'}: pass layout='HND' or 'NHD'")
+            layout = fits[0]
+        c = _layout_view("cache", c, layout)
     if c.shape[0] != selection.batch or c.shape[1] != selection.heads:
         raise Error(f"kvevict: cache has (batch, heads) = ({c.shape[0]}, {c.shape[1]}), the selection "
                     f"({selection.batch}, {selection.heads})")
@@ -373,6 +518,7 @@ def _compact_torch(c: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor)
         c[b, h, :idx.numel()] = c[b, h].index_select(0, idx)
 
 
+@_api
 def wo_factors(wo: torch.Tensor, q_heads: int) -> torch.Tensor:
     """ReST-KV's W_O factors of one layer: [q_heads, head_dim, head_dim] float32 R_h with
     ||x W_O^h|| = ||R_h x|| (Householder QR of W_O^h^T in float64), for ``wo_factor=``.
@@ -381,9 +527,116 @@ def wo_factors(wo: torch.Tensor, q_heads: int) -> torch.Tensor:
     (``o_proj.weight``). Compute once per model load.
     """
     w = _check_tensor("wo", wo, _FLOAT_DTYPES, 2)
+    q_heads = _as_int(q_heads) if _as_int(q_heads) is not None else q_heads
     if not isinstance(q_heads, int) or isinstance(q_heads, bool) or q_heads < 1 or w.shape[1] % q_heads != 0:
         raise Error(f"kvevict: q_heads = {q_heads!r} must be a positive divisor of wo.shape[1] = {w.shape[1]}")
     d = w.shape[1] // q_heads
     out = torch.empty((q_heads, d, d), dtype=torch.float32)
     _C.wo_factors(_dl(w.cpu()), q_heads, d, _dl(out))  # fp64 QR on the host, once per model
     return out.to(w.device)
+
+
+# --- decode-time eviction ---------------------------------------------------------------------
+DecodeAction = _C.DecodeAction
+DecodeAction.__doc__ = """What a ``DecodeSchedule`` asks after a prefill or a decode step (kvevict::decode_action).
+
+``evict`` (run an eviction of every layer now, then call ``schedule.evicted(action)``),
+``periods`` (decode intervals served by it), ``tokens_seen`` (t: prompt + generated tokens so
+far), ``generated``, ``keep_tokens`` (the per-head budget resolved at t), ``request``. Pass it back
+unchanged to ``DecodeSchedule.apply`` and ``evicted``."""
+
+
+class DecodeSchedule:
+    """Decode-time eviction: a cap on the KV cache while a model generates, re-evicted every
+    ``interval`` generated tokens (the "beta" of decode-time compression; kvpress's DecodingPress
+    ``compression_interval``). The C++ ``kvevict::decode_schedule`` (kvevict/schedule/decode.hpp),
+    one per request: it decides when an eviction is due and with which budget; the engine runs any
+    method with that budget (``apply``) and compacts its cache.
+
+    ``budget``: an int is the cap, tokens per KV head (every eviction brings each head to it;
+    head-wise methods share heads x cap); a float in (0, 1] a fraction of the tokens seen at each
+    eviction (``compression_ratio``, kvpress's fraction removed, is 1 - that fraction); exactly one
+    of the two. ``protect_prefix``: the first tokens of the request never evicted (a system prompt);
+    ``protect_recent``: the most recent tokens never evicted. ``evict_after_prefill``: evict right
+    after each prompt too (else the prompt stays whole until the first due decode-time eviction).
+
+    Use::
+
+        sched = kvevict.DecodeSchedule(interval=16, budget=128)
+        a = sched.after_prefill(prompt_len)               # after the prompt is in the cache
+        if a.evict:
+            ev, budget = sched.apply(a, evictor, window)  # for every layer: select with ev, budget; compact
+            sched.evicted(a)
+        a = sched.after_decode(1)                         # after each generated token is appended; the same
+
+    ``kvevict.press.Press(..., interval=...)`` drives one for a model. Errors (``kvevict.Error``,
+    naming the field): interval < 1, a budget outside its range, protected tokens above the cap,
+    actions of another request or out of order; the schedule is unchanged on error.
+    """
+
+    @_api
+    def __init__(self, *, interval: int = 1, budget: Union[int, float, None] = None, compression_ratio: Optional[float] = None,
+                 protect_prefix: int = 0, protect_recent: int = 0, evict_after_prefill: bool = True) -> None:
+        keep_tokens, keep_fraction = _budget(budget, compression_ratio)
+        if not isinstance(evict_after_prefill, bool):
+            raise Error(f"kvevict: evict_after_prefill must be a bool, got {evict_after_prefill!r}")
+        self._s = _C.DecodeSchedule(_int_arg("interval", interval, -(2**31), 2**31 - 1), keep_tokens, keep_fraction,
+                                    _int_arg("protect_prefix", protect_prefix, -(2**31), 2**31 - 1),
+                                    _int_arg("protect_recent", protect_recent, -(2**31), 2**31 - 1), evict_after_prefill)
+
+    def after_prefill(self, tokens: int) -> "DecodeAction":
+        """The engine appended ``tokens`` prompt tokens (a prompt, a chunk, the next turn)."""
+        return self._s.after_prefill(_int_arg("tokens", tokens, -(2**63), 2**63 - 1))
+
+    def after_decode(self, tokens: int = 1) -> "DecodeAction":
+        """The engine appended ``tokens`` generated tokens (1 per decode step)."""
+        return self._s.after_decode(_int_arg("tokens", tokens, -(2**63), 2**63 - 1))
+
+    def apply(self, action: "DecodeAction", evictor: Evictor, window: int) -> Tuple[Evictor, Union[int, float]]:
+        """The evictor and budget of eviction ``action`` for ``evictor``'s method: the schedule's
+        protection applied to its parameters (sinks = the protected prefix, recent tokens), the cap
+        as the budget (int tokens; LKV-H a float fraction of the tokens seen whose total is exactly
+        layers x heads x cap), PyramidKV's and LKV-H's reference length set to the tokens seen.
+        ``window``: the query rows passed to ``select`` (0 for query-free methods). Returns
+        ``(evictor, budget)`` for ``evictor.select(..., budget=budget)``; evictors are cached per
+        parameter set. ``evictor`` itself is unchanged."""
+        if not isinstance(evictor, Evictor):
+            raise Error(f"kvevict: evictor must be a kvevict.Evictor, got {type(evictor).__name__}")
+        if not isinstance(action, _C.DecodeAction):
+            raise Error(f"kvevict: action must be a kvevict.DecodeAction (from after_prefill / after_decode), got {type(action).__name__}")
+        params, keep_tokens, keep_fraction = evictor._impl.schedule_params(self._s, action, _int_arg("window", window, -(2**63), 2**63 - 1))
+        if params == evictor.params:
+            ev = evictor
+        else:
+            ev = _cached_evictor(evictor.method, evictor.artifact, params)
+        return ev, (keep_tokens if keep_tokens > 0 else keep_fraction)
+
+    def evicted(self, action: "DecodeAction") -> None:
+        """The engine ran eviction ``action`` (every layer)."""
+        if not isinstance(action, _C.DecodeAction):
+            raise Error(f"kvevict: action must be a kvevict.DecodeAction, got {type(action).__name__}")
+        self._s.evicted(action)
+
+    def reset(self) -> None:
+        """Back to the start of a request (the options stay)."""
+        self._s.reset()
+
+    def copy(self) -> "DecodeSchedule":
+        """An independent copy (same options and state)."""
+        c = DecodeSchedule.__new__(DecodeSchedule)
+        c._s = self._s.copy()
+        return c
+
+    def budget_at(self, tokens_seen: int) -> int:
+        """The per-head budget at ``tokens_seen`` tokens: the cap, or max(1, floor(fraction * t))."""
+        return self._s.budget_at(_int_arg("tokens_seen", tokens_seen, 0, 2**63 - 1))
+
+    tokens_seen = property(lambda self: self._s.tokens_seen, doc="t: prompt + generated tokens so far")
+    pending_tokens = property(lambda self: self._s.pending_tokens, doc="generated tokens since the last eviction")
+    protected_prefix = property(lambda self: self._s.protected_prefix, doc="this request's protected prefix")
+    evictions = property(lambda self: self._s.evictions, doc="evictions reported since the start")
+    interval = property(lambda self: self._s.interval)
+    keep_tokens = property(lambda self: self._s.keep_tokens, doc="the cap (0 with a fraction budget)")
+    keep_fraction = property(lambda self: self._s.keep_fraction, doc="the fraction (0 with a cap)")
+    protect_prefix = property(lambda self: self._s.protect_prefix)
+    protect_recent = property(lambda self: self._s.protect_recent)

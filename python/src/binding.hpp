@@ -98,6 +98,13 @@ class evictor_iface {
   virtual param_map params() const = 0;
   virtual const char* method() const = 0;
   virtual cache_stats stats() const = 0;
+  /// Decode-time eviction: kvevict::decode_schedule::apply(a, params, window, budget) on a copy of
+  /// this evictor's params. *params gets every parameter after it (the schedule's protection:
+  /// selector sinks / recent tokens, PyramidKV's and LKV-H's num_tokens), *budget the budget to run
+  /// with. The evictor itself is unchanged. Errors: apply()'s (a cap below the protected tokens, an
+  /// action of another request, ...), *params and *budget untouched.
+  virtual kvevict::status schedule_params(const kvevict::decode_schedule& s, const kvevict::decode_action& a, std::int64_t window,
+                                          param_map* params, kvevict::budget_request* budget) const = 0;
 };
 
 /// Builds the evictor of `method` (a presets:: name: "restkv", "snapkv", ..., "lkv") with its

@@ -29,6 +29,16 @@ class evictor_base : public evictor_iface {
   param_map params() const override { return to_map(ev_.params()); }
   const char* method() const override { return name_; }
   cache_stats stats() const override { return stats_; }
+  status schedule_params(const kvevict::decode_schedule& s, const kvevict::decode_action& a, std::int64_t window, param_map* params,
+                         kvevict::budget_request* budget) const override {
+    if (!params || !budget) return status::error(errc::null_pointer, "schedule_params: null output");
+    params_type p = ev_.params();
+    kvevict::budget_request b;
+    KVEVICT_TRY(s.apply(a, p, window, &b));
+    *params = to_map(p);
+    *budget = b;
+    return {};
+  }
 
  protected:
   /// Plans by cache key (cache_key(): one per layer, shape, budget, threads and lengths seen);

@@ -177,6 +177,8 @@ status make_cuda_evictor(const std::string& method, const param_map& overrides, 
   if (method == "criticalkv" || method == "critical_adakv")
     return status::error(errc::not_supported, "method '%s' runs on the CPU backend only (docs/cuda.md): pass CPU tensors",
                          method.c_str());
+  if (method == "adakv_published")  // not instantiated in the binding's CUDA unit (compile time); the C++ backend has it
+    return status::error(errc::not_supported, "method 'adakv_published' runs on the CPU backend only in the Python binding: pass CPU tensors");
   const bool learned = method == "lkv" || method == "lkv_uniform_budgets" || method == "lkv_budgets_restkv" ||
                        method == "lkv_budgets_attention";
   if (!learned) return status::error(errc::invalid_argument, "method = '%s' is not a kvevict method", method.c_str());

@@ -12,6 +12,7 @@ bool make_window_methods(const std::string& method, const param_map& overrides, 
   else if (method == "snapkv") *st = make_policy<P::snapkv>("snapkv", overrides, out);
   else if (method == "pyramidkv") *st = make_policy<P::pyramidkv>("pyramidkv", overrides, out);
   else if (method == "adakv") *st = make_policy<P::adakv>("adakv", overrides, out);
+  else if (method == "adakv_published") *st = make_policy<P::adakv_published>("adakv_published", overrides, out);
   else return false;
   return true;
 }

@@ -56,7 +56,7 @@ kvevict::status make_evictor(const std::string& method, const param_map& overrid
 }
 
 std::vector<std::string> method_names() {
-  return {"restkv", "snapkv", "pyramidkv", "adakv", "criticalkv", "critical_adakv", "h2o", "tova", "streaming_llm", "key_norm",
+  return {"restkv", "snapkv", "pyramidkv", "adakv", "adakv_published", "criticalkv", "critical_adakv", "h2o", "tova", "streaming_llm", "key_norm",
           "lkv", "lkv_uniform_budgets", "lkv_budgets_restkv", "lkv_budgets_attention"};
 }
 
@@ -226,6 +226,14 @@ class py_evictor {
   }
 
   py::dict params() const { return to_dict(impl_->params()); }
+  /// (params after the schedule's apply(), keep_tokens, keep_fraction) for eviction `a` of `s`.
+  py::tuple schedule_params(const kvevict::decode_schedule& s, const kvevict::decode_action& a, std::int64_t window) const {
+    param_map p;
+    kvevict::budget_request b;
+    const kvevict::status st = impl_->schedule_params(s, a, window, &p, &b);
+    if (!st.ok()) raise(st);
+    return py::make_tuple(to_dict(p), b.keep_tokens, b.keep_fraction);
+  }
   std::string method() const { return impl_->method(); }
   /// Counters of the CPU evictor, or of the CUDA evictor of `device` (>= 0).
   py::dict stats(int device) const {
@@ -380,8 +388,67 @@ PYBIND11_MODULE(_C, m) {
            py::arg("positions"), py::arg("wo"), py::arg("wo_factor"), py::arg("keep_tokens"), py::arg("keep_fraction"),
            py::arg("layer_idx"), py::arg("num_layers"), py::arg("want_scores"), py::arg("num_threads"), py::arg("stream") = 0)
       .def("params", &py_evictor::params)
+      .def("schedule_params", &py_evictor::schedule_params, py::arg("schedule"), py::arg("action"), py::arg("window"))
       .def("stats", &py_evictor::stats, py::arg("device") = -1)
       .def_property_readonly("method", &py_evictor::method);
+  // kvevict::decode_schedule and its action, as they are (the Python layer documents them).
+  py::class_<kvevict::decode_action>(m, "DecodeAction")
+      .def_readonly("evict", &kvevict::decode_action::evict)
+      .def_readonly("periods", &kvevict::decode_action::periods)
+      .def_readonly("tokens_seen", &kvevict::decode_action::tokens_seen)
+      .def_readonly("generated", &kvevict::decode_action::generated)
+      .def_readonly("request", &kvevict::decode_action::request)
+      .def_property_readonly("keep_tokens", [](const kvevict::decode_action& a) { return a.budget.keep_tokens; });
+  py::class_<kvevict::decode_schedule>(m, "DecodeSchedule")
+      .def(py::init([](std::int64_t interval, std::int64_t keep_tokens, double keep_fraction, std::int64_t protect_prefix,
+                       std::int64_t protect_recent, bool evict_after_prefill) {
+             auto i32 = [](std::int64_t v, const char* name) {
+               if (v < INT32_MIN || v > INT32_MAX) throw error(std::string("kvevict: ") + name + " = " + std::to_string(v) + " is out of the int32 range");
+               return static_cast<std::int32_t>(v);
+             };
+             kvevict::decode_schedule_options o;
+             o.interval = i32(interval, "interval");
+             o.budget.keep_tokens = i32(keep_tokens, "budget");
+             o.budget.keep_fraction = keep_fraction;
+             o.protect_prefix = i32(protect_prefix, "protect_prefix");
+             o.protect_recent = i32(protect_recent, "protect_recent");
+             o.evict_after_prefill = evict_after_prefill;
+             kvevict::decode_schedule s;
+             const kvevict::status st = s.init(o);
+             if (!st.ok()) raise(st);
+             return s;
+           }),
+           py::arg("interval"), py::arg("keep_tokens"), py::arg("keep_fraction"), py::arg("protect_prefix"), py::arg("protect_recent"),
+           py::arg("evict_after_prefill"))
+      .def("after_prefill", [](kvevict::decode_schedule& s, std::int64_t tokens) {
+             kvevict::decode_action a;
+             const kvevict::status st = s.after_prefill(tokens, &a);
+             if (!st.ok()) raise(st);
+             return a;
+           }, py::arg("tokens"))
+      .def("after_decode", [](kvevict::decode_schedule& s, std::int64_t tokens) {
+             kvevict::decode_action a;
+             const kvevict::status st = s.after_decode(tokens, &a);
+             if (!st.ok()) raise(st);
+             return a;
+           }, py::arg("tokens"))
+      .def("evicted", [](kvevict::decode_schedule& s, const kvevict::decode_action& a) {
+             const kvevict::status st = s.evicted(a);
+             if (!st.ok()) raise(st);
+           }, py::arg("action"))
+      .def("reset", &kvevict::decode_schedule::reset)
+      .def("copy", [](const kvevict::decode_schedule& s) { return s; })
+      .def("budget_at", &kvevict::decode_schedule::budget_at, py::arg("tokens_seen"))
+      .def_property_readonly("tokens_seen", &kvevict::decode_schedule::tokens_seen)
+      .def_property_readonly("pending_tokens", &kvevict::decode_schedule::pending_tokens)
+      .def_property_readonly("protected_prefix", &kvevict::decode_schedule::protected_prefix)
+      .def_property_readonly("evictions", &kvevict::decode_schedule::evictions)
+      .def_property_readonly("interval", [](const kvevict::decode_schedule& s) { return s.options().interval; })
+      .def_property_readonly("keep_tokens", [](const kvevict::decode_schedule& s) { return s.options().budget.keep_tokens; })
+      .def_property_readonly("keep_fraction", [](const kvevict::decode_schedule& s) { return s.options().budget.keep_fraction; })
+      .def_property_readonly("protect_prefix", [](const kvevict::decode_schedule& s) { return s.options().protect_prefix; })
+      .def_property_readonly("protect_recent", [](const kvevict::decode_schedule& s) { return s.options().protect_recent; })
+      .def_property_readonly("evict_after_prefill", [](const kvevict::decode_schedule& s) { return s.options().evict_after_prefill; });
   m.def("wo_factors", &wo_factors_py, py::arg("wo"), py::arg("q_heads"), py::arg("head_dim"), py::arg("out"));
   m.def("compact", &compact, py::arg("cache"), py::arg("indptr"), py::arg("indices"));
 }
