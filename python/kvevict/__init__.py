@@ -257,7 +257,7 @@ def _infer_layout(keys: torch.Tensor, queries: Optional[torch.Tensor], lengths: 
     arguments' shapes fit (queries' heads a multiple of the keys' heads with the same batch and
     head_dim, lengths [batch, kv_heads], positions [batch, kv_heads, seq]). Ambiguous (both fit, or
     nothing to tell them apart): an Error asking for ``layout=``."""
-    if keys.dim() != 4 or (queries is None and lengths is None and positions is None):
+    if queries is None and lengths is None and positions is None:
         raise Error(f"kvevict: layout is not given and keys {tuple(keys.shape)} alone do not tell [batch, kv_heads, seq, head_dim] "
                     "(layout='HND') from [batch, seq, kv_heads, head_dim] (layout='NHD'): pass layout=")
     fits = []
@@ -276,8 +276,10 @@ def _infer_layout(keys: torch.Tensor, queries: Optional[torch.Tensor], lengths: 
             fits.append(lay)
     if len(fits) == 1:
         return fits[0]
+    if not fits:  # wrong under either layout: the library's own check names what is wrong
+        return "HND"
     q = "" if queries is None else f", queries {tuple(queries.shape)}"
-    why = "fit both layouts" if fits else "fit neither layout"
+    why = "fit both layouts"
     raise Error(f"kvevict: layout is not given and keys {tuple(keys.shape)}{q} {why}: pass layout='HND' "
                 "([batch, heads, seq, head_dim]) or layout='NHD' ([batch, seq, heads, head_dim])")
 

@@ -223,10 +223,8 @@ class Press:
             before = {l: (cache.lengths[l] - (T if l == 0 else 0)).clone() for l in range(len(cache.lengths))}
             lengths_now = cache.lengths[0].clone()
             cache.lengths[0].copy_(before[0])  # _begin reads the lengths before this forward
-            try:
-                self._begin(T, cache, snapshot=False)
-            finally:
-                cache.lengths[0].copy_(lengths_now)
+            self._begin(T, cache, snapshot=False)  # raising, it leaves layer 0 at `before`: its new tokens dropped
+            cache.lengths[0].copy_(lengths_now)
             self._fwd["lengths_before"] = before
             f = self._fwd
         elif "lengths_before" in f:

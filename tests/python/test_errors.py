@@ -63,7 +63,7 @@ def test_bad_tensors(layer):
     with pytest.raises(kvevict.Error, match="queries head_dim"):
         kvevict.select("snapkv", queries=q[..., :4], keys=k, budget=10)
     with pytest.raises(kvevict.Error, match="queries.data is null"):
-        kvevict.select("snapkv", keys=k, budget=10)
+        kvevict.select("snapkv", keys=k, budget=10, layout="HND")
     with pytest.raises(kvevict.Error, match="values.data is null"):
         kvevict.select("restkv", queries=q, keys=k, budget=10, scorer_use_wo=False)
     with pytest.raises(kvevict.Error, match=r"wo_factor.data is null.*kvevict.wo_factors\(o_proj.weight"):
@@ -112,7 +112,7 @@ def test_compact_refuses_malformed_selections_and_shared_rows():
     assert torch.equal(k, keep)
     base = torch.randn(1, 1, 30, 4, generator=g)
     shared = base.expand(1, 2, 30, 4)  # both heads are the same memory
-    sel = kvevict.select("key_norm", keys=shared.contiguous(), budget=8)
+    sel = kvevict.select("key_norm", keys=shared.contiguous(), budget=8, layout="HND")
     before = base.clone()
     with pytest.raises(kvevict.Error, match="share memory"):
         kvevict.compact(shared, sel)

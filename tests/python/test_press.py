@@ -1,4 +1,4 @@
-"""kvevict.press end to end on the real stories260K model (tools/lkv/llama2c.py, PyTorch) against
+"""kvevict.press end to end on the real stories260K model (kvevict.models.llama2c, PyTorch) against
 the C++ engine's fidelity program on the same prompt: for every preset (and the LKV rows), the
 press keeps exactly the positions the C++ engine keeps in every layer and KV head, and its KL
 (full cache || evicted cache, teacher-forced continuation) equals the C++ report's within 1e-6.
@@ -23,8 +23,7 @@ import kvevict
 from conftest import REPO
 from kvevict.press import Press
 
-sys.path.insert(0, os.path.join(REPO, "tools", "lkv"))
-import llama2c  # noqa: E402
+from kvevict.models import llama2c
 
 # fidelity row -> kvevict method (the presets and the LKV rows; Random, the oracles and the custom
 # AdaKV+LKV-T composition are not methods of the binding)
@@ -169,4 +168,170 @@ def test_press_refuses_a_second_prefill():
         m(ids, cache=cache)
         with pytest.raises(ValueError, match="compresses once"):
             m(ids[:, :10], cache=cache)
-    assert m.cache_hooks == []  # the context manager removed its hook, also after the error
+    assert m.cache_hooks == [] and m.cache_pre_hooks == []  # the context manager removed its hooks, also after the error
+
+
+# --- decode-time eviction against the C++ decoding program -----------------------------------
+DECODE_ROWS = {"SnapKV": "snapkv", "AdaKV": "adakv"}
+DECODE_KEEP, DECODE_BETA = 0.1, 16
+
+
+@pytest.fixture(scope="module")
+def decoding_run(tmp_path_factory):
+    """kvevict_decoding on the report's 6 Sherlock excerpts (96-token prompts, greedy continuation of
+    the full cache to 512 positions, teacher-forced), cap 10% of 512 = 51 tokens per head, beta 16,
+    rows SnapKV and AdaKV, with --dump (prompts, fed tokens, per-excerpt KL at %.17g)."""
+    mdir = model_dir()
+    if mdir is None:
+        pytest.skip("stories260K model folder not found (../shared/models/stories260K or KVEVICT_MODEL_DIR): decode-time press test skipped")
+    exe = os.environ.get("KVEVICT_DECODING_BIN")
+    if not exe or not os.path.isfile(exe):
+        pytest.skip("KVEVICT_DECODING_BIN is not set to the kvevict_decoding program (ctest sets it)")
+    out = tmp_path_factory.mktemp("decoding")
+    dump = out / "dump.txt"
+    r = subprocess.run([exe, "--model", mdir, "--out", str(out), "--dump", str(dump), "--keeps", str(DECODE_KEEP),
+                        "--intervals", str(DECODE_BETA), "--methods", ",".join(DECODE_ROWS)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    prompts, fed, kl, cap = {}, {}, {}, None
+    for line in dump.read_text().splitlines():
+        f = line.split("\t")
+        if f[0] == "prompt":
+            prompts[int(f[1])] = [int(x) for x in f[2].split()]
+        elif f[0] == "fed":
+            fed[int(f[1])] = [int(x) for x in f[2].split()]
+        elif f[0] == "kl":
+            cap = int(f[3])
+            assert int(f[4]) == DECODE_BETA
+            kl[(f[1], int(f[5]))] = float(f[6])
+    assert len(prompts) == 6 and len(fed) == 6 and len(kl) == 6 * len(DECODE_ROWS) and cap == 51
+    return {"prompts": prompts, "fed": fed, "kl": kl, "cap": cap,
+            "model": llama2c.load_llama2c(os.path.join(mdir, "stories260K.bin"))}
+
+
+def decode_logp(model, prompt, fed, press=None):
+    """log-softmax (float64) after each fed token; the cache evicted by `press` when given."""
+    cache = llama2c.KVCache(model.cfg, batch=1, capacity=len(prompt) + len(fed) + 1)
+    out = []
+    with torch.no_grad():
+        ctx = press(model) if press is not None else None
+        if ctx is not None:
+            ctx.__enter__()
+        try:
+            model(torch.tensor([prompt]), cache=cache)
+            for t in fed:
+                out.append(torch.log_softmax(model(torch.tensor([[t]]), cache=cache)[0, -1].double(), dim=-1))
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+    return out
+
+
+def test_decode_press_equals_the_cpp_decoding_table(decoding_run):
+    """Press(method, budget=51, interval=16) reproduces kvevict_decoding's per-excerpt KL within 1e-6
+    for SnapKV and AdaKV (the decoding table's rows at cap 10%, beta 16: their mean is the row)."""
+    m, cap = decoding_run["model"], decoding_run["cap"]
+    worst = 0.0
+    for p, prompt in decoding_run["prompts"].items():
+        fed = decoding_run["fed"][p]
+        full = decode_logp(m, prompt, fed)
+        # the C++ reference run is greedy on the full cache: the fed tokens are its argmaxes
+        assert [int(lp.argmax()) for lp in full[:-1]] == fed[1:]
+        for row, method in DECODE_ROWS.items():
+            press = Press(method, budget=cap, interval=DECODE_BETA)
+            ev = decode_logp(m, prompt, fed, press)
+            kl = sum(max(float((a.exp() * (a - b)).sum()), 0.0) for a, b in zip(full, ev)) / len(fed)
+            want = decoding_run["kl"][(row, p)]
+            worst = max(worst, abs(kl - want))
+            assert abs(kl - want) <= 1e-6, (row, p, kl, want)
+            assert press.evictions == 1 + len(fed) // DECODE_BETA
+    print(f"decode-time press vs kvevict_decoding: largest per-excerpt KL difference {worst:.2e}")
+
+
+# --- every failure leaves every layer's cache bit-identical ----------------------------------
+def snapshot(cache):
+    return [t.clone() for l in range(len(cache.keys)) for t in (cache.keys[l], cache.values[l], cache.lengths[l], cache.positions[l])]
+
+
+def unchanged(before, cache):
+    return all(torch.equal(a, b) for a, b in zip(before, snapshot(cache)))
+
+
+@pytest.fixture
+def model():
+    mdir = model_dir()
+    if mdir is None:
+        pytest.skip("stories260K model folder not found (../shared/models/stories260K or KVEVICT_MODEL_DIR)")
+    return llama2c.load_llama2c(os.path.join(mdir, "stories260K.bin"))
+
+
+def prompt_ids(n, seed=3):
+    return torch.randint(1, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="snapkv", budget=16), "budget.keep_tokens = 16"),               # below the 32-query window
+    (dict(method="restkv", budget=20), "keep_tokens = 20"),
+    (dict(method="snapkv", budget=40, interval=4, protect_prefix=30, protect_recent=20), "protect"),  # cap below protection
+    (dict(method="snapkv", budget=0), "budget = 0"),
+    (dict(method="snapkv", budget=0.2, compression_ratio=0.5), "not both"),
+    (dict(method="snapkv"), "budget is required"),
+    (dict(method="snapkv", budget=0.2, interval=0), "interval = 0"),
+    (dict(method="snapkv", budget=0.2, protect_recent=4), "need decode-time eviction"),
+    (dict(method="snapkv", budget=0.2, window=-3), "window = -3"),
+    (dict(method="snapkv", budget=0.2, spatial_kernal=3), "spatial.kernal is not a parameter"),
+])
+def test_press_refuses_at_construction(kwargs, match):
+    with pytest.raises(kvevict.Error, match=match):
+        Press(**kwargs)
+
+
+def test_failed_second_prefill_leaves_every_layer(model):
+    cache = llama2c.KVCache(model.cfg, batch=1, capacity=300)
+    with torch.no_grad(), Press("snapkv", budget=0.2)(model):
+        model(prompt_ids(200), cache=cache)
+        before, pos = snapshot(cache), cache.next_position
+        with pytest.raises(kvevict.Error, match="compresses once"):
+            model(prompt_ids(10), cache=cache)
+    assert unchanged(before, cache) and cache.next_position == pos
+
+
+@pytest.mark.parametrize("interval", [None, 4])
+def test_non_finite_layer_leaves_every_layer(model, interval):
+    """NaN in layer 3's keys (check_finite): layers 0-2 were selected already; nothing is compacted,
+    every layer's K, V, lengths and positions (also the slots past the lengths) are as before."""
+    cache = llama2c.KVCache(model.cfg, batch=1, capacity=300)
+    press = Press("snapkv", budget=40, interval=interval, check_finite=True)
+    with torch.no_grad(), press(model):
+        if interval is not None:  # a decode-time press after some steps: the failure hits a due eviction
+            logits = model(prompt_ids(100), cache=cache)
+            for _ in range(3):
+                logits = model(logits[:, -1:].argmax(-1), cache=cache)
+        before, pos = snapshot(cache), cache.next_position
+        seen, ev = None if press.schedule is None else press.schedule.tokens_seen, press.evictions
+        saved = model.wk[3].clone()
+        model.wk[3][0, 0] = float("nan")
+        try:
+            with pytest.raises(kvevict.Error, match="layer 3 of 5"):
+                model(prompt_ids(100) if interval is None else torch.tensor([[7]]), cache=cache)
+        finally:
+            model.wk[3].copy_(saved)
+    assert unchanged(before, cache) and cache.next_position == pos and press.evictions == ev
+    if interval is not None:
+        assert press.schedule.tokens_seen == seen  # the schedule did not count the failed step
+
+
+def test_press_without_pre_hooks_restores_lengths(model):
+    """A model without cache_pre_hooks (the optional part of the protocol): a failed forward restores
+    every layer's lengths (the valid cache is as before)."""
+    cache = llama2c.KVCache(model.cfg, batch=1, capacity=300)
+    model.cache_pre_hooks = None  # as a model that does not offer them
+    try:
+        with torch.no_grad(), Press("snapkv", budget=0.2)(model):
+            model(prompt_ids(100), cache=cache)
+            lengths = [t.clone() for t in cache.lengths]
+            with pytest.raises(kvevict.Error, match="compresses once"):
+                model(prompt_ids(10), cache=cache)
+    finally:
+        model.cache_pre_hooks = []
+    assert all(torch.equal(a, b) for a, b in zip(lengths, cache.lengths))

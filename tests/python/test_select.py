@@ -76,11 +76,11 @@ def test_key_norm_and_streaming_llm_match_references(dtype):
     _, k, _, _ = make_layer(3, dtype=dtype)
     kd = k.double()
     B, H, L, _ = k.shape
-    sel = kvevict.select("key_norm", keys=k, budget=30)
+    sel = kvevict.select("key_norm", keys=k, budget=30, layout="HND")
     for r, got in enumerate(rows(sel)):
         sc = key_norm_scores(kd[r // H, r % H])
         assert boundary_ok(got, topk_select(sc, L, 30, 0, 0), sc)
-    sel = kvevict.select("streaming_llm", keys=k, budget=30)
+    sel = kvevict.select("streaming_llm", keys=k, budget=30, layout="HND")
     for got in rows(sel):
         assert got == list(range(4)) + list(range(L - 26, L))
 
@@ -111,12 +111,13 @@ def test_every_method_layouts_and_storage_types_agree(method):
     q, k, v, wo = make_layer(21, G=2)
     base = run_method(method, q, k, v, wo)
     B, H, L, _ = k.shape
+    H = base.heads  # kv_heads; q_heads for adakv_published (one selection per query head)
     assert base.indptr.shape == (B * H + 1,) and base.indptr[0] == 0
     for r in rows(base):
         assert r == sorted(set(r)) and all(0 <= i < L for i in r)
     if method == "pyramidkv":  # layer 1 of 4 gets its schedule's share, the same for every head
         assert base.uniform and 32 < int(base.counts().flatten()[0]) < L
-    elif method in ("adakv", "critical_adakv"):  # head-wise budgets keep each sequence's total
+    elif method in ("adakv", "critical_adakv", "adakv_published"):  # head-wise budgets keep each sequence's total
         assert torch.equal(base.counts().sum(dim=1), torch.full((B,), H * 32, dtype=base.counts().dtype))
     else:
         assert base.uniform and base.counts().flatten()[0] == 32

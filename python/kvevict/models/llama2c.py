@@ -375,7 +375,7 @@ class Llama(nn.Module):
         for l in range(L):  # nothing is appended when the forward cannot run
             if int(cache.lengths[l].max()) + T > cache.capacity:
                 raise ValueError(f"KVCache: layer {l} holds {int(cache.lengths[l].max())} + {T} tokens > capacity {cache.capacity}")
-        for hook in list(self.cache_pre_hooks):
+        for hook in list(getattr(self, "cache_pre_hooks", None) or []):
             hook(T, cache)
         pos = torch.arange(cache.next_position, cache.next_position + T)
         cos, sin = _rope_cos_sin(pos, hd, cfg.rope_theta, dtype)
