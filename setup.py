@@ -48,6 +48,10 @@ class CMakeBuild(build_ext):
             args.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
         args += os.environ.get("KVEVICT_CMAKE_ARGS", "").split()
         subprocess.run(["cmake"] + args, check=True)
+        if not os.path.isdir(os.path.join(build_dir, "python", "CMakeFiles", "kvevict_python.dir")):
+            raise RuntimeError("setup.py: CMake did not configure the binding (kvevict_python): pybind11, the Python headers, "
+                               "libdlpack-dev or Eigen 3.4 is missing (the CMake output above says which; scripts/setup.sh "
+                               "python installs them)")
         jobs = os.environ.get("JOBS") or str(os.cpu_count() or 1)
         subprocess.run(["cmake", "--build", build_dir, "--target", "kvevict_python", "-j", jobs], check=True)
         built = glob.glob(os.path.join(build_dir, "python", "kvevict", "_C*.so"))

@@ -52,6 +52,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
+import numpy as np
 import torch
 import torch.utils.dlpack
 
@@ -94,7 +95,7 @@ def _api(fn: _F) -> _F:
 def _as_int(v: Any) -> Optional[int]:
     """v as a Python int when it is an integer scalar (int, numpy integer, 0-d integer tensor), else None.
     bool is not an integer here."""
-    if isinstance(v, (bool,)) or type(v).__name__ == "bool_":
+    if isinstance(v, (bool, np.bool_)):
         return None
     if isinstance(v, numbers.Integral):
         return int(v)
@@ -105,7 +106,7 @@ def _as_int(v: Any) -> Optional[int]:
 
 def _as_float(v: Any) -> Optional[float]:
     """v as a Python float when it is a real, non-integer scalar (float, numpy floating, 0-d float tensor)."""
-    if isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral) and type(v).__name__ != "bool_":
+    if isinstance(v, numbers.Real) and not isinstance(v, (numbers.Integral, np.bool_)):
         return float(v)
     if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
         return float(v)
@@ -140,7 +141,7 @@ def _params(params: Dict[str, Any]) -> Dict[str, Any]:
             i = _as_int(v)
             f = _as_float(v) if i is None else None
             v = i if i is not None else (f if f is not None else v)
-            if type(v).__name__ == "bool_":
+            if isinstance(v, np.bool_):
                 v = bool(v)
         out[name] = v
     return out

@@ -117,6 +117,8 @@ class Press:
         w = 32 if self.window is None else self.window
         b = self.budget if isinstance(self.budget, int) else 1
         protect = 0 if self.schedule is None else self.schedule.protect_prefix + self.schedule.protect_recent
+        if b > w + protect + 4096:  # far above what a method keeps always: checked at the first forward, not with a
+            return                  # dummy layer of that size
         n = b + w + protect + 64
         d = 8
         g = torch.Generator().manual_seed(0)
@@ -154,9 +156,14 @@ class Press:
         """Decides what this T-token forward does and, with ``snapshot``, saves what the forward
         will overwrite (each layer's slots [min length, max length + T) and lengths) so that a
         failure can restore the cache bit for bit. Raises before anything is written."""
+        self._fwd = None
         L = len(cache.lengths)
         held = [int(cache.lengths[l].max()) for l in range(L)]
         sched = None if self.schedule is None else self.schedule.copy()
+        qlog = dict(self._qlog)
+        if sched is not None and max(held) == 0:  # an empty cache: a new request
+            sched.reset()
+            qlog = {}
         action = None
         if self.schedule is None:
             if T > 1 and max(held) > 0:
@@ -169,15 +176,15 @@ class Press:
             action = sched.after_prefill(T) if (T > 1 or first) else sched.after_decode(T)
             evict = action.evict
         saved = None
-        if snapshot and evict:  # a forward that does not evict cannot fail in the press
+        if snapshot:  # the lengths always; the slots the forward overwrites when it evicts (else only lengths can go wrong)
             saved = []
             for l in range(L):
                 lo = int(cache.lengths[l].min())
-                hi = min(held[l] + T, cache.keys[l].shape[2])
+                hi = min(held[l] + T, cache.keys[l].shape[2]) if evict else lo
                 saved.append((cache.lengths[l].clone(), lo, cache.keys[l][:, :, lo:hi].clone(),
                               cache.values[l][:, :, lo:hi].clone(), cache.positions[l][:, :, lo:hi].clone()))
         self._fwd = {"T": T, "L": L, "evict": evict, "action": action, "sched": sched, "saved": saved,
-                     "sel": {}, "qlog": dict(self._qlog), "cache": cache}
+                     "sel": {}, "qlog": qlog, "cache": cache, "fresh": snapshot}
 
     def _restore(self) -> None:
         """Puts the cache back as it was before the forward (see _begin) and forgets the forward."""
@@ -216,7 +223,9 @@ class Press:
         and after the last layer compact every layer in place. Returns the layer's Selection, or
         None when this forward does not evict (one-shot: a decoding step)."""
         f = self._fwd
-        if f is None or f["cache"] is not cache:  # no pre-hook in this model: begin at layer 0
+        if layer == 0 and f is not None and f.get("fresh") and f["cache"] is cache:
+            f["fresh"] = False  # begun by the pre-hook of this forward
+        elif layer == 0 or f is None or f["cache"] is not cache:  # no pre-hook in this model: begin at layer 0
             if layer != 0:
                 raise Error(f"kvevict.press: layer {layer} reached the press before layer 0 of this forward")
             T = queries.shape[2]

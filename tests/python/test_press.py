@@ -335,3 +335,46 @@ def test_press_without_pre_hooks_restores_lengths(model):
     finally:
         model.cache_pre_hooks = []
     assert all(torch.equal(a, b) for a, b in zip(lengths, cache.lengths))
+
+
+def test_decode_press_new_cache_is_a_new_request(model):
+    """The same decode-time press over two requests: the second (an empty cache) starts its schedule and
+    query window afresh, so it evicts exactly as a new press would."""
+    press = Press("snapkv", budget=40, interval=4)
+    runs = []
+    for _ in range(2):
+        cache = llama2c.KVCache(model.cfg, batch=1, capacity=200)
+        with torch.no_grad(), press(model):
+            logits = model(prompt_ids(100), cache=cache)
+            for _ in range(6):
+                logits = model(logits[:, -1:].argmax(-1), cache=cache)
+        runs.append((press.schedule.tokens_seen, [t.clone() for t in cache.positions], [t.clone() for t in cache.lengths]))
+    assert runs[0][0] == runs[1][0] == 106
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1] + runs[0][2], runs[1][1] + runs[1][2]))
+
+
+def test_model_exception_between_hooks_does_not_leak_into_the_next_forward(model):
+    """Without pre-hooks: a forward that the model aborts after layer 0's hook leaves no state in the
+    press; the next forward starts afresh (a decoding step passes through a one-shot press)."""
+    cache = llama2c.KVCache(model.cfg, batch=1, capacity=300)
+    model.cache_pre_hooks = None
+
+    def boom(layer, num_layers, queries, c, wo):
+        if layer == 0 and queries.shape[2] > 1:
+            raise KeyboardInterrupt
+
+    try:
+        press = Press("snapkv", budget=0.5)
+        with torch.no_grad(), press(model):
+            model.cache_hooks.append(boom)
+            with pytest.raises(KeyboardInterrupt):
+                model(prompt_ids(100), cache=cache)
+            model.cache_hooks.remove(boom)
+            assert [int(t.max()) for t in cache.lengths] == [100, 0, 0, 0, 0]  # the model's own partial append
+            for t in cache.lengths:
+                t.zero_()
+            model(prompt_ids(100), cache=cache)  # a fresh prefill: evicted in every layer
+            model(torch.tensor([[5]]), cache=cache)  # decoding: passes through
+    finally:
+        model.cache_pre_hooks = []
+    assert [int(t.max()) for t in cache.lengths] == [51] * 5 and press.evictions == 1

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tests of tools/lkv/llama2c.py and tools/lkv/tokenizer.py against the stories260K README.
+"""Tests of the stories260K model and tokenizer (python/kvevict/models/llama2c.py and tokenizer.py,
+loaded through the tools/lkv shims) against the stories260K README.
 
 Run: /usr/bin/python3 tools/lkv/test_llama2c.py   (model folder: $KVEVICT_MODEL_DIR or
 <repo>/../shared/models/stories260K; prints "skipping: ..." and exits 0 when it is missing).
