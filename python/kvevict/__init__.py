@@ -530,7 +530,7 @@ def wo_factors(wo: torch.Tensor, q_heads: int) -> torch.Tensor:
     (``o_proj.weight``). Compute once per model load.
     """
     w = _check_tensor("wo", wo, _FLOAT_DTYPES, 2)
-    q_heads = _as_int(q_heads) if _as_int(q_heads) is not None else q_heads
+    q_heads = q_heads if _as_int(q_heads) is None else _as_int(q_heads)
     if not isinstance(q_heads, int) or isinstance(q_heads, bool) or q_heads < 1 or w.shape[1] % q_heads != 0:
         raise Error(f"kvevict: q_heads = {q_heads!r} must be a positive divisor of wo.shape[1] = {w.shape[1]}")
     d = w.shape[1] // q_heads

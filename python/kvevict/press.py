@@ -152,13 +152,15 @@ class Press:
         return {}
 
     # --- one forward: begin (before any layer appends), a selection per layer, then compaction --
-    def _begin(self, T: int, cache: Any, snapshot: bool) -> None:
-        """Decides what this T-token forward does and, with ``snapshot``, saves what the forward
-        will overwrite (each layer's slots [min length, max length + T) and lengths) so that a
-        failure can restore the cache bit for bit. Raises before anything is written."""
+    def _begin(self, T: int, cache: Any, lengths: List[torch.Tensor], snapshot: bool) -> None:
+        """Decides what this T-token forward does. ``lengths``: every layer's lengths before the
+        forward (kept, so that a failure restores them). With ``snapshot`` (the pre-hook, before any
+        layer appends) it also saves the slots an evicting forward will overwrite, [min length,
+        max length + T) of each layer, so that a failure restores the cache bit for bit. Raises
+        before anything is decided."""
         self._fwd = None
-        L = len(cache.lengths)
-        held = [int(cache.lengths[l].max()) for l in range(L)]
+        L = len(lengths)
+        held = [int(lengths[l].max()) for l in range(L)]
         sched = None if self.schedule is None else self.schedule.copy()
         qlog = dict(self._qlog)
         if sched is not None and max(held) == 0:  # an empty cache: a new request
@@ -175,16 +177,15 @@ class Press:
             first = sched.tokens_seen == 0
             action = sched.after_prefill(T) if (T > 1 or first) else sched.after_decode(T)
             evict = action.evict
-        saved = None
-        if snapshot:  # the lengths always; the slots the forward overwrites when it evicts (else only lengths can go wrong)
-            saved = []
+        slots = []  # (lo, K, V, positions) per layer; a forward that does not evict writes only past the lengths
+        if snapshot and evict:
             for l in range(L):
-                lo = int(cache.lengths[l].min())
-                hi = min(held[l] + T, cache.keys[l].shape[2]) if evict else lo
-                saved.append((cache.lengths[l].clone(), lo, cache.keys[l][:, :, lo:hi].clone(),
-                              cache.values[l][:, :, lo:hi].clone(), cache.positions[l][:, :, lo:hi].clone()))
-        self._fwd = {"T": T, "L": L, "evict": evict, "action": action, "sched": sched, "saved": saved,
-                     "sel": {}, "qlog": qlog, "cache": cache, "fresh": snapshot}
+                lo = int(lengths[l].min())
+                hi = min(held[l] + T, cache.keys[l].shape[2])
+                slots.append((lo, cache.keys[l][:, :, lo:hi].clone(), cache.values[l][:, :, lo:hi].clone(),
+                              cache.positions[l][:, :, lo:hi].clone()))
+        self._fwd = {"T": T, "evict": evict, "action": action, "sched": sched, "lengths": [t.clone() for t in lengths],
+                     "slots": slots, "sel": {}, "qlog": qlog, "cache": cache, "fresh": snapshot}
 
     def _restore(self) -> None:
         """Puts the cache back as it was before the forward (see _begin) and forgets the forward."""
@@ -192,16 +193,13 @@ class Press:
         if f is None:
             return
         cache = f["cache"]
-        if f["saved"] is not None:
-            for l, (ln, lo, k, v, p) in enumerate(f["saved"]):
-                hi = lo + k.shape[2]
-                cache.keys[l][:, :, lo:hi] = k
-                cache.values[l][:, :, lo:hi] = v
-                cache.positions[l][:, :, lo:hi] = p
-                cache.lengths[l].copy_(ln)
-        else:  # no pre-hook: the appended tokens are dropped by restoring the lengths
-            for l in f.get("lengths_before", {}):
-                cache.lengths[l].copy_(f["lengths_before"][l])
+        for l, (lo, k, v, p) in enumerate(f["slots"]):  # none without the pre-hook: only the lengths come back
+            hi = lo + k.shape[2]
+            cache.keys[l][:, :, lo:hi] = k
+            cache.values[l][:, :, lo:hi] = v
+            cache.positions[l][:, :, lo:hi] = p
+        for l, ln in enumerate(f["lengths"]):
+            cache.lengths[l].copy_(ln)
 
     def _queries(self, layer: int, queries: torch.Tensor) -> Optional[torch.Tensor]:
         """The query rows the method reads at this layer: this forward's last ``window`` (one-shot),
@@ -228,16 +226,14 @@ class Press:
         elif layer == 0 or f is None or f["cache"] is not cache:  # no pre-hook in this model: begin at layer 0
             if layer != 0:
                 raise Error(f"kvevict.press: layer {layer} reached the press before layer 0 of this forward")
-            T = queries.shape[2]
-            before = {l: (cache.lengths[l] - (T if l == 0 else 0)).clone() for l in range(len(cache.lengths))}
-            lengths_now = cache.lengths[0].clone()
-            cache.lengths[0].copy_(before[0])  # _begin reads the lengths before this forward
-            self._begin(T, cache, snapshot=False)  # raising, it leaves layer 0 at `before`: its new tokens dropped
-            cache.lengths[0].copy_(lengths_now)
-            self._fwd["lengths_before"] = before
+            T = queries.shape[2]  # layer 0 has appended its T tokens; the other layers not yet
+            before = [cache.lengths[l] - T if l == 0 else cache.lengths[l] for l in range(len(cache.lengths))]
+            try:
+                self._begin(T, cache, before, snapshot=False)
+            except BaseException:
+                cache.lengths[0].copy_(before[0])  # drop layer 0's new tokens
+                raise
             f = self._fwd
-        elif "lengths_before" in f:
-            f["lengths_before"][layer] = (cache.lengths[layer] - f["T"]).clone()
         try:
             q = self._queries(layer, queries)
             if not f["evict"]:
@@ -299,7 +295,7 @@ class _Applied:
             press.compress_layer(layer, num_layers, queries, cache, wo)
 
         def pre(T: int, cache: Any) -> None:
-            press._begin(T, cache, snapshot=True)
+            press._begin(T, cache, list(cache.lengths), snapshot=True)
 
         self._hook = hook
         self.model.cache_hooks.append(hook)
