@@ -69,8 +69,13 @@ def default_model_dir() -> str:
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
-    checkout = os.path.normpath(os.path.join(here, "..", "..", ".."))
-    return os.path.normpath(os.path.join(checkout, "..", "shared", "models", "stories260K"))
+    d = here
+    for _ in range(6):  # the checkout (python/kvevict/models) or a build tree inside it (<build>/python/kvevict/models)
+        d = os.path.dirname(d)
+        cand = os.path.join(os.path.dirname(d), "shared", "models", "stories260K")
+        if os.path.isfile(os.path.join(cand, "stories260K.bin")):
+            return os.path.normpath(cand)
+    return os.path.normpath(os.path.join(here, "..", "..", "..", "..", "shared", "models", "stories260K"))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,128 @@
+"""kvevict in Hugging Face transformers (kvevict.models.hf, kvevict.hf): the converted stories260K
+reproduces the model README's golden values and kvevict.models.llama2c's logits; the transformers
+press keeps exactly the positions kvevict's own press keeps on the llama2c model for every
+uniform-budget method; bad input is refused before the model is touched, and a failing layer leaves
+no layer compressed; as_kvpress runs through kvpress's own hooks.
+
+Needs transformers (and, for as_kvpress, kvpress) with a torch they support: skipped with a message
+under Debian's python3-torch 1.13. docs/kvpress.md says how the venv is made."""
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (docs/kvpress.md: a venv with PyPI's "
+                                                          "torch, transformers and kvpress runs these tests)")
+from transformers import DynamicCache  # noqa: E402
+
+import kvevict  # noqa: E402
+from conftest import REPO  # noqa: E402
+from kvevict.hf import HEADWISE_METHODS, Press, as_kvpress  # noqa: E402
+from kvevict.models import hf as hfm  # noqa: E402
+from kvevict.models import llama2c  # noqa: E402
+from kvevict.press import Press as CorePress  # noqa: E402
+
+MDIR = os.environ.get("KVEVICT_MODEL_DIR") or os.path.join(REPO, "..", "shared", "models", "stories260K")
+UNIFORM = [m for m in kvevict.methods() if m not in HEADWISE_METHODS and m != "lkv_uniform_budgets"] + ["lkv_uniform_budgets"]
+ARTIFACT = os.path.join(REPO, "artifacts", "lkv", "stories260K.lkv")
+
+
+@pytest.fixture(scope="module")
+def models():
+    if not os.path.isfile(os.path.join(MDIR, "stories260K.bin")):
+        pytest.skip("stories260K model folder not found (../shared/models/stories260K or KVEVICT_MODEL_DIR)")
+    m = llama2c.load_llama2c(os.path.join(MDIR, "stories260K.bin"))
+    return m, hfm.to_transformers(m)
+
+
+def ids(n, seed=0):
+    return torch.randint(1, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_converted_model_reproduces_the_golden_values(models):
+    _, hf = models
+    with torch.no_grad():
+        logits = hf(torch.tensor([[1]])).logits[0, -1]
+    top = logits.topk(5)
+    assert top.indices.tolist() == [403, 385, 410, 317, 407]
+    assert (top.values - torch.tensor([17.0235, 15.4062, 13.1083, 12.7692, 12.4181])).abs().max() < 1e-3
+    seq = [1]
+    with torch.no_grad():
+        for _ in range(32):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert seq[1:] == [403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337,
+                       410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385]
+
+
+def test_converted_model_equals_llama2c(models):
+    m, hf = models
+    x = ids(300)
+    with torch.no_grad():
+        a, b = m(x), hf(x).logits
+    assert (a - b).abs().max() < 1e-4 * a.abs().max()
+
+
+@pytest.mark.parametrize("method", UNIFORM)
+def test_transformers_press_keeps_what_kvevicts_press_keeps(models, method):
+    m, hf = models
+    kw = {"artifact": ARTIFACT} if method.startswith("lkv") else {}
+    x, nxt = ids(300), torch.tensor([[7]])
+    p = Press(method, budget=0.2, **kw)
+    cache = DynamicCache()
+    with torch.no_grad():
+        with p(hf):
+            hf(x, past_key_values=cache)
+        out = hf(nxt, past_key_values=cache, position_ids=torch.tensor([[300]])).logits[0, -1]
+    core = CorePress(method, budget=0.2, **kw)
+    c2 = llama2c.KVCache(m.cfg, 1, 320)
+    with torch.no_grad():
+        with core(m):
+            m(x, cache=c2)
+        out2 = m(nxt, cache=c2)[0, -1]
+    for l in range(m.cfg.n_layers):
+        kept = p.selections[l].positions
+        assert cache.layers[l].keys.shape[2] == int(p.selections[l].counts()[0, 0]) + 1  # the kept tokens and nxt
+        if method == "key_norm" and not torch.equal(kept, core.selections[l].positions):
+            continue  # equal key norms of a repeated token: fp32 RoPE rounding breaks the tie differently (test_press.py)
+        assert torch.equal(kept, core.selections[l].positions), (method, l)
+    if method != "key_norm":
+        assert (out - out2).abs().max() < 1e-4 * out2.abs().max()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="adakv", budget=0.2), "DynamicCache cannot hold"),
+    (dict(method="snapkv", budget=16), "budget.keep_tokens = 16"),
+    (dict(method="snapkv"), "budget is required"),
+    (dict(method="snapkv", compression_ratio=1.0), "compression_ratio"),
+])
+def test_refused_at_construction(kwargs, match):
+    with pytest.raises(kvevict.Error, match=match):
+        Press(**kwargs)
+
+
+def test_failing_layer_leaves_no_layer_compressed(models):
+    _, hf = models
+    p = Press("snapkv", budget=40, check_finite=True)
+    w = hf.model.layers[3].self_attn.k_proj.weight
+    saved = w.clone()
+    cache = DynamicCache()
+    try:
+        with torch.no_grad():
+            w[0, 0] = float("nan")
+            with p(hf), pytest.raises(kvevict.Error, match="layer 3 of 5"):
+                hf(ids(100), past_key_values=cache)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    assert [cache.layers[l].keys.shape[2] for l in range(3)] == [100] * 3  # the prompt, uncompressed
+
+
+def test_as_kvpress_runs_through_kvpress(models):
+    kvpress = pytest.importorskip("kvpress", reason="kvpress is not installed")
+    _, hf = models
+    kp = as_kvpress(Press("snapkv", compression_ratio=0.8))
+    assert isinstance(kp, kvpress.BasePress)
+    cache = DynamicCache()
+    with torch.no_grad(), kp(hf):
+        hf(ids(300), past_key_values=cache)
+    assert cache.layers[0].keys.shape[2] == int(300 * (1 - 0.8))  # kvpress's n_kept
