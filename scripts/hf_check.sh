@@ -2,7 +2,7 @@
 # kvevict in Hugging Face transformers beside NVIDIA kvpress (docs/kvpress.md): makes a venv with a
 # current torch, transformers and kvpress from PyPI (about 3 GB: PyPI's torch brings its CUDA libraries),
 # installs kvevict into it from this checkout, runs tests/python/test_hf.py and, with --compare, the
-# side-by-side table (tools/hf/compare_kvpress.py, about 15 minutes on 2 cores).
+# side-by-side table (tools/hf/compare_kvpress.py, about 5 minutes on 2 cores).
 #   scripts/hf_check.sh [--compare]      # VENV (default .venv-hf), KVEVICT_MODEL_DIR as for the tests
 # Not part of .ci/run: Debian's python3-torch 1.13 is too old for current transformers, and the download
 # does not fit CI's budget (tests/python/test_hf.py skips there with a message).

@@ -209,7 +209,7 @@ class Selection:
         fill = _int_arg("fill", fill, -(2**63), 2**63 - 1)
         c = self.counts().flatten()
         k = int(c.max()) if c.numel() else 0
-        if self.uniform:
+        if not c.numel() or bool((c == k).all()):  # uniform: no padding
             return self.indices.to(torch.int64).view(self.batch, self.heads, k)
         out = torch.full((self.batch * self.heads, k), fill, dtype=torch.int64, device=self.indices.device)
         col = torch.arange(k, dtype=torch.int64, device=self.indices.device).unsqueeze(0)

@@ -41,6 +41,7 @@ transformers only inside the calls that need it.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -100,7 +101,6 @@ class Press:
         """kvpress's ``compress``: the kept keys and values of one layer, [batch, kv_heads, kept, head_dim]
         in position order. ``hidden_states`` [batch, seq, hidden] is the layer's attention input,
         ``kwargs["position_embeddings"]`` the (cos, sin) of its RoPE."""
-        import time
         t0 = time.perf_counter()
         layer = int(module.layer_idx)
         num_layers = int(module.config.num_hidden_layers)
@@ -127,10 +127,11 @@ class Press:
                                             layer_idx=layer, num_layers=num_layers, **extra)
         except Error as e:
             raise Error(f"kvevict.hf: layer {layer} of {num_layers} ({self.method}): {e}; its cache is unchanged") from None
-        if not sel.uniform:  # a method the constructor did not know as head-wise (custom parameters)
-            raise Error(f"kvevict.hf: layer {layer}: {self.method} kept {sel.counts().flatten().tolist()} tokens per head; "
+        c = sel.counts().flatten()
+        if c.numel() and bool((c != c[0]).any()):  # a method the constructor did not know as head-wise (custom parameters)
+            raise Error(f"kvevict.hf: layer {layer}: {self.method} kept {c.tolist()} tokens per head; "
                         "a transformers DynamicCache holds one length per layer")
-        idx = sel.padded().to(keys.device).unsqueeze(-1).expand(-1, -1, -1, D)
+        idx = sel.indices.to(device=keys.device, dtype=torch.int64).view(B, Hk, -1, 1).expand(-1, -1, -1, D)
         k2, v2 = keys.gather(2, idx), values.gather(2, idx)
         self.selections[layer] = sel
         self.seconds += time.perf_counter() - t0

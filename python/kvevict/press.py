@@ -93,6 +93,7 @@ class Press:
             window = w
         self.window = DEFAULT_WINDOWS.get(method, 32) if window == -1 else window
         self.evictor = Evictor(method, artifact=artifact, **params)
+        self._use_wo = bool(self.evictor.params.get("scorer.use_wo", False))  # ReST-KV's W_O factors
         self.schedule: Optional[DecodeSchedule] = None
         if interval is not None:
             self.schedule = DecodeSchedule(interval=interval, budget=self.budget, protect_prefix=protect_prefix,
@@ -142,8 +143,7 @@ class Press:
         return _Applied(self, model)
 
     def _wo_args(self, layer: int, wo: torch.Tensor, q_heads: int) -> Dict[str, torch.Tensor]:
-        p = self.evictor.params
-        if p.get("scorer.use_wo", False):  # ReST-KV: the d x d factors of W_O, once per layer
+        if self._use_wo:  # ReST-KV: the d x d factors of W_O, once per layer
             if layer not in self._factors:
                 self._factors[layer] = wo_factors(wo.detach(), q_heads)
             return {"wo_factor": self._factors[layer]}
