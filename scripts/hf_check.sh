@@ -9,6 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-hf}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 scripts/setup.sh python >/dev/null
 [ -x "$VENV/bin/python" ] || /usr/bin/python3 -m venv "$VENV"
 # kvpress 0.5.2 reads the attention module's past_key_values keyword, which transformers 5 renamed;
@@ -16,7 +17,7 @@ scripts/setup.sh python >/dev/null
 "$VENV/bin/pip" install -q torch "transformers>=4.56,<5" "kvpress==0.5.2" "datasets<4" pytest
 "$VENV/bin/pip" install -q .
 "$VENV/bin/python" -c 'import torch, transformers, kvpress, kvevict; print("torch", torch.__version__, "transformers", transformers.__version__, "kvevict", kvevict.__version__)'
-(cd tests/python && "../../$VENV/bin/python" -m pytest -q -p no:cacheprovider test_hf.py)
+(cd tests/python && "$VENV/bin/python" -m pytest -q -p no:cacheprovider test_hf.py)
 if [ "${1:-}" = --compare ]; then
   kjv=$(mktemp); trap 'rm -f "$kjv"' EXIT
   extra=()
