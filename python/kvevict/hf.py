@@ -15,8 +15,14 @@ It hooks every decoder layer's attention module (``model.model.layers[i].self_at
 layer's attention has run on the prompt it selects with the kvevict method (the C++ library, the
 same call as ``kvevict.select``) and replaces the layer's ``DynamicCache`` keys and values with the
 kept tokens, in position order. Queries are the prompt's last ``window`` queries, recomputed from
-the layer's input (``q_proj`` and the layer's RoPE), as kvpress does. Compression runs only in the
-prefill (a forward whose cache was empty), like kvpress's ``BasePress``.
+the layer's input (``q_proj`` and the layer's RoPE), as kvpress does. One-shot (the default),
+compression runs only in the prefill (a forward whose cache was empty), like kvpress's ``BasePress``.
+With ``interval=beta`` it is decode-time eviction, as ``kvevict.press.Press(..., interval=)``: a
+``kvevict.DecodeSchedule`` evicts after each prompt and every ``beta`` generated tokens to the cap
+(``budget`` tokens per KV head, or a fraction of the tokens seen), with ``protect_prefix`` /
+``protect_recent``; each layer's last ``window`` queries and its slots' positions are kept across
+forwards (methods that read every query, H2O, need ``window=N`` there). Decoding then runs inside the
+``with`` block, and the forwards pass ``position_ids``.
 
 **What a transformers cache can hold**: ``DynamicCache`` keeps one length per layer (a dense
 [batch, kv_heads, seq, head_dim] tensor), so each layer keeps the same number of tokens in every
@@ -72,14 +78,23 @@ class Press:
 
     @_api
     def __init__(self, method: str, budget: Union[int, float, None] = None, window: Optional[int] = -1,
-                 artifact: Optional[str] = None, *, compression_ratio: Optional[float] = None, **params: Any) -> None:
+                 artifact: Optional[str] = None, *, compression_ratio: Optional[float] = None, interval: Optional[int] = None,
+                 protect_prefix: int = 0, protect_recent: int = 0, **params: Any) -> None:
         if method in HEADWISE_METHODS:
             raise Error(f"kvevict.hf: method '{method}' gives KV heads different lengths, which a transformers DynamicCache "
                         "cannot hold (one length per layer); use a uniform-budget method, or kvevict.press over a cache "
                         "with per-head lengths")
         # the budget, window and parameters are checked as kvevict's own press checks them
-        self._core = _CorePress(method, budget, window, artifact, compression_ratio=compression_ratio, **params)
+        self._core = _CorePress(method, budget, window, artifact, compression_ratio=compression_ratio, interval=interval,
+                                protect_prefix=protect_prefix, protect_recent=protect_recent, **params)
+        if interval is not None and self._core.window is None:
+            raise Error(f"kvevict.hf: {method} reads every query (window=None); across decode-time evictions that is more "
+                        "queries than a DynamicCache holds keys: pass window=N (the last N queries) with interval=")
         self.method = method
+        self.evictions = 0
+        self._qlog: Dict[int, torch.Tensor] = {}  # decode-time: each layer's last `window` queries
+        self._pos: Dict[int, torch.Tensor] = {}   # decode-time: each layer's slot positions [batch, kv_heads, len]
+        self._fwd: Optional[Dict[str, Any]] = None
         self.selections: Dict[int, Selection] = {}
         self.seconds = 0.0  # time spent in compress (queries, select, gather), summed over layers and calls
         self._pending: Dict[int, Any] = {}
@@ -92,29 +107,30 @@ class Press:
     def window(self) -> Optional[int]:
         return self._core.window
 
+    @property
+    def schedule(self) -> Any:
+        """The ``kvevict.DecodeSchedule`` of decode-time eviction (None: one-shot)."""
+        return self._core.schedule
+
     # kvpress's BasePress interface --------------------------------------------------------------
     def post_init_from_model(self, model: Any) -> None:
         pass
 
-    def compress(self, module: Any, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 attentions: Any, kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """kvpress's ``compress``: the kept keys and values of one layer, [batch, kv_heads, kept, head_dim]
-        in position order. ``hidden_states`` [batch, seq, hidden] is the layer's attention input,
-        ``kwargs["position_embeddings"]`` the (cos, sin) of its RoPE."""
-        t0 = time.perf_counter()
+    def _queries(self, module: Any, hidden_states: torch.Tensor, kwargs: Dict[str, Any], n: int) -> torch.Tensor:
+        """The post-RoPE queries of the last ``n`` tokens of this forward, [batch, q_heads, n, head_dim]."""
+        B, D, H = hidden_states.shape[0], int(module.head_dim), int(module.config.num_attention_heads)
+        q = module.q_proj(hidden_states[:, -n:]).view(B, n, H, D).transpose(1, 2)
+        cos, sin = kwargs["position_embeddings"]
+        cos, sin = cos[:, -n:].unsqueeze(1), sin[:, -n:].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin
+
+    def _select(self, module: Any, keys: torch.Tensor, values: torch.Tensor, q: Optional[torch.Tensor], evictor: Any,
+                budget: Union[int, float], positions: Optional[torch.Tensor] = None) -> Selection:
+        """One layer's selection (a uniform count per head, else an Error naming the layer)."""
         layer = int(module.layer_idx)
         num_layers = int(module.config.num_hidden_layers)
-        B, Hk, L, D = keys.shape
+        D = keys.shape[3]
         H = int(module.config.num_attention_heads)
-        w = self._core.window
-        q = None
-        if w != 0:
-            n = hidden_states.shape[1] if w is None else min(w, hidden_states.shape[1])
-            h = hidden_states[:, -n:]
-            q = module.q_proj(h).view(B, n, H, D).transpose(1, 2)
-            cos, sin = kwargs["position_embeddings"]
-            cos, sin = cos[:, -n:].unsqueeze(1), sin[:, -n:].unsqueeze(1)
-            q = (q * cos + _rotate_half(q) * sin).to(keys.dtype)
         extra = {k: (t.to(keys.dtype) if k == "wo" else t) for k, t in self._core._wo_args(layer, module.o_proj.weight, H).items()}
         skeys = keys
         if self.method.startswith("lkv") and getattr(module.config, "kvevict_llama2c_rope", False):
@@ -123,29 +139,58 @@ class Press:
             order = torch.tensor([j // 2 if j % 2 == 0 else D // 2 + j // 2 for j in range(D)], device=keys.device)
             skeys = keys.index_select(3, order)
         try:
-            sel = self._core.evictor.select(queries=q, keys=skeys, values=values, budget=self._core.budget, layout="HND",
-                                            layer_idx=layer, num_layers=num_layers, **extra)
+            sel = evictor.select(queries=None if q is None else q.to(keys.dtype), keys=skeys, values=values, budget=budget,
+                                 layout="HND", positions=positions, layer_idx=layer, num_layers=num_layers, **extra)
         except Error as e:
-            raise Error(f"kvevict.hf: layer {layer} of {num_layers} ({self.method}): {e}; its cache is unchanged") from None
+            raise Error(f"kvevict.hf: layer {layer} of {num_layers} ({self.method}): {e}; no layer's cache was changed") from None
         c = sel.counts().flatten()
         if c.numel() and bool((c != c[0]).any()):  # a method the constructor did not know as head-wise (custom parameters)
             raise Error(f"kvevict.hf: layer {layer}: {self.method} kept {c.tolist()} tokens per head; "
                         "a transformers DynamicCache holds one length per layer")
-        idx = sel.indices.to(device=keys.device, dtype=torch.int64).view(B, Hk, -1, 1).expand(-1, -1, -1, D)
-        k2, v2 = keys.gather(2, idx), values.gather(2, idx)
-        self.selections[layer] = sel
+        return sel
+
+    @staticmethod
+    def _gather(t: torch.Tensor, sel: Selection) -> torch.Tensor:
+        B, Hk = t.shape[0], t.shape[1]
+        idx = sel.indices.to(device=t.device, dtype=torch.int64).view(B, Hk, -1)
+        if t.dim() == 4:
+            return t.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, t.shape[3]))
+        return t.gather(2, idx)
+
+    # kvpress's BasePress interface --------------------------------------------------------------
+    def post_init_from_model(self, model: Any) -> None:
+        pass
+
+    def compress(self, module: Any, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 attentions: Any, kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """kvpress's ``compress`` (one-shot, after a prefill): the kept keys and values of one layer,
+        [batch, kv_heads, kept, head_dim] in position order. ``hidden_states`` [batch, seq, hidden] is the
+        layer's attention input, ``kwargs["position_embeddings"]`` the (cos, sin) of its RoPE."""
+        t0 = time.perf_counter()
+        w = self._core.window
+        q = None if w == 0 else self._queries(module, hidden_states, kwargs, hidden_states.shape[1] if w is None else
+                                              min(w, hidden_states.shape[1]))
+        sel = self._select(module, keys, values, q, self._core.evictor, self._core.budget)
+        self.selections[int(module.layer_idx)] = sel
+        out = self._gather(keys, sel), self._gather(values, sel)
         self.seconds += time.perf_counter() - t0
-        return k2, v2
+        return out
 
     def forward_hook(self, module: Any, args: Any, kwargs: Dict[str, Any], output: Any) -> Any:
-        """The hook on one attention module: compress its layer's cache after the prefill's attention."""
+        """The hook on one attention module: compress its layer's cache after the prefill's attention
+        (one-shot), or when the decode-time schedule says (``interval=``)."""
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         cache = kwargs.get("past_key_values", kwargs.get("cache"))  # the name differs between transformers releases
         if cache is None or hidden is None:
             return output
         idx = int(module.layer_idx)
+        last = idx == int(module.config.num_hidden_layers) - 1
         layer = cache.layers[idx]
-        if layer.keys is None or layer.keys.numel() == 0 or layer.keys.shape[2] != hidden.shape[1]:
+        T = hidden.shape[1]
+        if self._core.schedule is not None:
+            self._decode_hook(module, layer, hidden, kwargs, idx, last, T)
+            return output
+        if layer.keys is None or layer.keys.numel() == 0 or layer.keys.shape[2] != T:
             return output  # not a prefill of an empty cache: decoding, or a second prompt
         if idx == 0:
             self._pending = {}
@@ -153,11 +198,61 @@ class Press:
         # All or nothing: every layer's cache is replaced only after the last layer's selection succeeded (a
         # layer's cache is read by that layer only, so deferring the replacement changes no result).
         self._pending[idx] = (layer, keys, values)
-        if idx == int(module.config.num_hidden_layers) - 1:
+        if last:
             pending, self._pending = self._pending, {}
             for lay, k, v in pending.values():
                 lay.keys, lay.values = k, v
+            self.evictions += 1
         return output
+
+    def _decode_hook(self, module: Any, layer: Any, hidden: torch.Tensor, kwargs: Dict[str, Any], idx: int, last: bool,
+                     T: int) -> None:
+        """Decode-time eviction (``interval=``): the schedule decides at layer 0 of each forward; every
+        layer logs its last ``window`` queries and the positions of its slots; an eviction selects every
+        layer with the schedule's budget and protection and replaces the caches after the last layer."""
+        t0 = time.perf_counter()
+        held = layer.keys.shape[2] - T  # tokens of this layer before the forward appended T
+        if idx == 0:
+            sched = self._core.schedule.copy()
+            qlog, pos = dict(self._qlog), dict(self._pos)
+            if held == 0:  # an empty cache: a new request
+                sched.reset()
+                qlog, pos = {}, {}
+            t_before = sched.tokens_seen
+            action = sched.after_prefill(T) if (T > 1 or t_before == 0) else sched.after_decode(T)
+            self._fwd = {"sched": sched, "action": action, "qlog": qlog, "pos": pos, "t": t_before, "pending": {}}
+        f = self._fwd
+        if f is None:
+            raise Error(f"kvevict.hf: layer {idx} reached the press before layer 0 of this forward")
+        B, Hk = layer.keys.shape[0], layer.keys.shape[1]
+        new_pos = torch.arange(f["t"], f["t"] + T, dtype=torch.int32).view(1, 1, T).expand(B, Hk, T)
+        prev = f["pos"].get(idx)
+        pos = new_pos.contiguous() if prev is None else torch.cat([prev, new_pos], dim=2)
+        f["pos"][idx] = pos
+        w = self._core.window
+        q = None
+        if w != 0:
+            qn = self._queries(module, hidden, kwargs, T if w is None else min(w, T))
+            qp = f["qlog"].get(idx)
+            q = qn if qp is None else torch.cat([qp, qn], dim=2)
+            if w is not None:
+                q = q[:, :, -w:]
+            f["qlog"][idx] = q
+        if f["action"].evict:
+            ev, budget = f["sched"].apply(f["action"], self._core.evictor, 0 if q is None else q.shape[2])
+            sel = self._select(module, layer.keys, layer.values, q, ev, budget, positions=pos)
+            f["pending"][idx] = (layer, sel)
+        self.seconds += time.perf_counter() - t0
+        if last:
+            self._fwd = None
+            for i, (lay, sel) in f["pending"].items():
+                lay.keys, lay.values = self._gather(lay.keys, sel), self._gather(lay.values, sel)
+                f["pos"][i] = self._gather(f["pos"][i], sel)
+                self.selections[i] = sel
+            if f["action"].evict:
+                f["sched"].evicted(f["action"])
+                self.evictions += 1
+            self._core.schedule, self._qlog, self._pos = f["sched"], f["qlog"], f["pos"]
 
     @contextlib.contextmanager
     def __call__(self, model: Any) -> Iterator["Press"]:

@@ -126,3 +126,32 @@ def test_as_kvpress_runs_through_kvpress(models):
     with torch.no_grad(), kp(hf):
         hf(ids(300), past_key_values=cache)
     assert cache.layers[0].keys.shape[2] == int(300 * (1 - 0.8))  # kvpress's n_kept
+
+
+@pytest.mark.parametrize("method", ["snapkv", "streaming_llm", "pyramidkv", "restkv", "tova", "criticalkv"])
+def test_decode_time_press_equals_kvevicts_press(models, method):
+    """Press(..., interval=4): the cap and schedule of kvevict.press on a DynamicCache. After a 120-token
+    prompt and 30 decode steps (8 evictions), every layer keeps the positions kvevict's own press keeps
+    on the llama2c model, and every step's logits agree."""
+    m, hf = models
+    p = Press(method, budget=40, interval=4, protect_recent=4)
+    c = CorePress(method, budget=40, interval=4, protect_recent=4)
+    cache, kc = DynamicCache(), llama2c.KVCache(m.cfg, 1, 200)
+    x = ids(120)
+    with torch.no_grad(), p(hf), c(m):
+        hf(x, past_key_values=cache)
+        b = m(x, cache=kc)[0, -1]
+        for i in range(30):
+            t = torch.tensor([[int(b.argmax())]])
+            a = hf(t, past_key_values=cache, position_ids=torch.tensor([[120 + i]])).logits[0, -1]
+            b = m(t, cache=kc)[0, -1]
+            assert (a - b).abs().max() < 1e-4 * b.abs().max(), (method, i)
+    assert p.evictions == c.evictions == 8 and p.schedule.tokens_seen == 150
+    for l in range(m.cfg.n_layers):
+        n = int(kc.lengths[l][0, 0])
+        assert cache.layers[l].keys.shape[2] == n and torch.equal(p._pos[l][0], kc.positions[l][0, :, :n]), (method, l)
+
+
+def test_decode_time_press_refuses_all_query_window():
+    with pytest.raises(kvevict.Error, match="window=N"):
+        Press("h2o", budget=40, interval=4)
