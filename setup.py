@@ -4,7 +4,8 @@ The compiled module ``kvevict._C`` is the project's own CMake target ``kvevict_p
 (python/CMakeLists.txt): build_ext configures this checkout with the tests, examples and benchmarks
 off, builds that one target for the interpreter that runs pip, and copies it into the package.
 Environment: ``JOBS`` (parallel compile jobs, default: all cores), ``KVEVICT_ENABLE_CUDA=ON`` (the
-CUDA backend too; needs nvcc), ``KVEVICT_CMAKE_ARGS`` (extra CMake arguments, split on spaces).
+CUDA backend too; needs nvcc), ``KVEVICT_CMAKE_ARGS`` (extra CMake arguments, split on spaces), ``KVEVICT_NATIVE=0`` (portable
+code instead of -march=native, e.g. for a wheel that runs on other CPUs).
 ccache is used when it is on PATH. docs/python.md, "Install".
 """
 import glob
@@ -43,6 +44,7 @@ class CMakeBuild(build_ext):
         args = ["-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release", "-DKVEVICT_BUILD_PYTHON=ON",
                 "-DKVEVICT_BUILD_TESTS=OFF", "-DKVEVICT_BUILD_EXAMPLES=OFF", "-DKVEVICT_BUILD_BENCH=OFF",
                 "-DKVEVICT_ENABLE_CUDA=" + os.environ.get("KVEVICT_ENABLE_CUDA", "OFF"),
+                "-DKVEVICT_NATIVE=" + ("OFF" if os.environ.get("KVEVICT_NATIVE", "1") in ("0", "OFF", "off") else "ON"),
                 "-DKVEVICT_PYTHON=" + sys.executable] + pybind11_dir
         if shutil.which("ccache"):
             args.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
