@@ -5,7 +5,8 @@ The compiled module ``kvevict._C`` is the project's own CMake target ``kvevict_p
 off, builds that one target for the interpreter that runs pip, and copies it into the package.
 Environment: ``JOBS`` (parallel compile jobs, default: all cores), ``KVEVICT_ENABLE_CUDA=ON`` (the
 CUDA backend too; needs nvcc), ``KVEVICT_CMAKE_ARGS`` (extra CMake arguments, split on spaces), ``KVEVICT_NATIVE=0`` (portable
-code instead of -march=native, e.g. for a wheel that runs on other CPUs).
+code instead of -march=native, e.g. for a wheel that runs on other CPUs), ``KVEVICT_BLAS`` (``auto``,
+the default: the scorers' products on BLIS when libblis-dev is installed; ``BLIS``; empty: Eigen).
 ccache is used when it is on PATH. docs/python.md, "Install".
 """
 import glob
@@ -44,6 +45,7 @@ class CMakeBuild(build_ext):
         args = ["-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release", "-DKVEVICT_BUILD_PYTHON=ON",
                 "-DKVEVICT_BUILD_TESTS=OFF", "-DKVEVICT_BUILD_EXAMPLES=OFF", "-DKVEVICT_BUILD_BENCH=OFF",
                 "-DKVEVICT_ENABLE_CUDA=" + os.environ.get("KVEVICT_ENABLE_CUDA", "OFF"),
+                "-DKVEVICT_BLAS=" + os.environ.get("KVEVICT_BLAS", "auto"),
                 "-DKVEVICT_NATIVE=" + ("OFF" if os.environ.get("KVEVICT_NATIVE", "1") in ("0", "OFF", "off") else "ON"),
                 "-DKVEVICT_PYTHON=" + sys.executable] + pybind11_dir
         if shutil.which("ccache"):

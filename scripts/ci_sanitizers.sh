@@ -55,7 +55,8 @@ cmake -S . -B "$BUILD_DIR" "${KVEVICT_CMAKE_ARGS[@]}" \
   -DCMAKE_CXX_FLAGS="$SAN" \
   -DCMAKE_EXE_LINKER_FLAGS="$SAN" \
   -DKVEVICT_ENABLE_CUDA=OFF \
-  -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_EXAMPLES=OFF -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_PYTHON=OFF >/dev/null
+  -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_EXAMPLES=OFF -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_PYTHON=OFF \
+  -DKVEVICT_BLIS_TESTS=OFF >/dev/null
 
 # Test executables = every ctest command that lives in the build folder (a target of ours; its
 # basename is the target name). Read from the generated CTestTestfile.cmake files, so a new test

@@ -78,7 +78,7 @@ for b in data["benchmarks"]:
     b["sec"] = b["real_time"] * unit  # wall clock per iteration
     b["cpu"] = b["cpu_time"] * unit   # CPU time of the whole process per iteration
     parts = name.split("/")
-    key = parts[0]
+    key = parts[0] if not parts[0].startswith("gemm_") else parts[0] + "/" + parts[1]  # gemm_qk/<library>
     dtype = parts[1] if len(parts) > 1 and parts[1] in ("f32", "bf16") else ""
     m = re.search(r"/(?:L|cache):(\d+)", name)
     arg = int(m.group(1)) if m else 0
@@ -145,6 +145,30 @@ for k, lab, f, u in (("limit_stream_copy", "stream copy (128 MiB arrays)", "byte
 out.append(f"| **bandwidth limit** (max of the streams) | **{si(bw, 'B/s')}** |")
 out.append(f"| **GEMM limit** (max of the GEMMs) | **{si(gemm, 'FLOP/s')}** |")
 out.append("")
+
+# --- the scorers' GEMMs against the machine's BLAS libraries (bench/cpu/bench_blas.cpp) ------
+glibs = sorted({k.split("/", 1)[1] for (k, _, _) in runs if k.startswith("gemm_qk/")})
+mine = [g for g in glibs if g.startswith("kvevict_")]
+if mine:
+    others = [g for g in glibs if not g.startswith("kvevict_")]
+    out.append("### The scorers' GEMMs against the machine's BLAS (same run)")
+    out.append("")
+    out.append("GFLOP/s of the two products at the exact shapes and tiles the scorers use, the 8 KV heads over the "
+               "plan's threads, one single-threaded product per head (bench/cpu/bench_blas.cpp): *qk* the window "
+               "logits (128 x 128) x (128 x L) in tiles of 1024 keys, *vr* ReST-KV's value projections (L x 128) x "
+               f"(128 x 512) in tiles of 256 tokens. {mine[0]} is the call the scorers make; the others are "
+               "cblas_sgemm of each installed library (dlopen, one thread). Fraction = kvevict / the fastest library.")
+    out.append("")
+    out.append("| product | L | " + " | ".join(mine + others) + " | kvevict / fastest |")
+    out.append("|---|---|" + "---|" * (len(mine) + len(others) + 1))
+    for prod in ("gemm_qk", "gemm_vr"):
+        for L in sorted({a for (k, _, a) in runs if k.startswith(prod + "/")}):
+            r = {g: rate(get(prod + "/" + g, "", L), "flops") for g in mine + others}
+            best = max([r[g] for g in others] + [0.0])
+            frac = f"{r[mine[0]] / best:.2f}" if best > 0 else "-"
+            out.append(f"| {prod[5:]} | {L} | " + " | ".join(f"{r[g] / 1e9:.1f}" if r[g] else "-" for g in mine + others)
+                       + f" | {frac} |")
+    out.append("")
 
 # --- stage table -------------------------------------------------------------------------
 out.append("### Stages and presets")

@@ -10,11 +10,12 @@ if [ "${1:-all}" = main ]; then
   pkgs=(cmake make g++ libeigen3-dev python3 python3-matplotlib bible-kjv bible-kjv-text)
 elif [ "${1:-all}" = python ]; then
   pkgs=(cmake make g++ libeigen3-dev python3 python3-dev python3-torch python3-numpy pybind11-dev python3-pybind11 libdlpack-dev
-        python3-venv python3-pip python3-setuptools python3-wheel python3-build)
+        python3-venv python3-pip python3-setuptools python3-wheel python3-build libblis-dev)
 else
   pkgs=(cmake make g++ libeigen3-dev doctest-dev libbenchmark-dev python3 python3-torch python3-matplotlib python3-numpy
         clang libclang-rt-14-dev python3-dev pybind11-dev python3-pybind11 libdlpack-dev python3-pytest
-        bible-kjv bible-kjv-text openmpi-bin libopenmpi-dev ccache ninja-build python3-venv python3-pip python3-setuptools python3-wheel)
+        bible-kjv bible-kjv-text openmpi-bin libopenmpi-dev ccache ninja-build python3-venv python3-pip python3-setuptools python3-wheel
+        libblis-dev)
 fi
 missing=()
 for p in "${pkgs[@]}"; do

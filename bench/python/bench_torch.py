@@ -41,7 +41,9 @@ built for that interpreter (pip install . builds it with -march=native; docs/pyt
 import argparse
 import json
 import math
+import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -157,9 +159,13 @@ def main() -> int:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     rows = []
     cfg = torch.__config__.show()
-    blas = [p.strip() for p in cfg.replace("\n", ",").split(",") if p.strip().startswith(("BLAS_INFO", "USE_MKL", "USE_OPENMP"))]
-    print(f"# torch {torch.__version__} ({'; '.join(blas) or 'BLAS info not reported'}), kvevict {kvevict.__version__}, "
-          f"python {platform.python_version()}, {platform.machine()}")
+    blas = re.findall(r"BLAS_INFO=\w+", cfg)
+    torch.matmul(torch.ones(64, 64), torch.ones(64, 64))  # the BLAS torch really loaded (Debian: an alternative)
+    with open("/proc/self/maps") as f:
+        libs = sorted({ln.split()[-1] for ln in f if re.search(r"lib(open)?blas|libblis|libmkl", ln)})
+    blas += [os.path.realpath(x) for x in libs]
+    print(f"# torch {torch.__version__} ({'; '.join(blas) or 'BLAS info not reported'}), kvevict {kvevict.__version__} "
+          f"{kvevict.build_info()}, python {platform.python_version()}, {platform.machine()}")
     print(f"# batch 1, q_heads {HQ}, kv_heads {HKV}, head_dim {D}, window {W}, budget {BUDGET}; medians of {a.reps} "
           f"interleaved repetitions")
     print(f"{'method':14s} {'L':>6s} {'dtype':5s} {'thr':>3s} {'torch ms':>10s} {'kvevict ms':>11s} {'C++ ms':>9s} "
@@ -214,7 +220,8 @@ def main() -> int:
                           f"{mt / mk:7.2f}x  {same}/{HKV}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(torch=torch.__version__, blas=blas, kvevict=kvevict.__version__, rows=rows), f, indent=1)
+            json.dump(dict(torch=torch.__version__, blas=blas, kvevict=kvevict.__version__, build=kvevict.build_info(),
+                           rows=rows), f, indent=1)
     return 0
 
 

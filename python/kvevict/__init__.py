@@ -58,7 +58,7 @@ import torch.utils.dlpack
 
 from . import _C
 
-__all__ = ["ArgumentError", "DecodeAction", "DecodeSchedule", "Error", "Evictor", "Selection", "compact", "defaults", "methods",
+__all__ = ["ArgumentError", "DecodeAction", "DecodeSchedule", "Error", "Evictor", "Selection", "build_info", "compact", "defaults", "methods",
            "select", "wo_factors", "__version__"]
 
 __version__: str = _C.version
@@ -114,6 +114,14 @@ def _as_float(v: Any) -> Optional[float]:
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STAGES = ("scorer", "temporal", "spatial", "budgeter", "selector")
+
+
+def build_info() -> Dict[str, Any]:
+    """How the compiled core was built: ``cpu_gemm`` ("blis": the CPU scorers' products on BLIS,
+    KVEVICT_BLAS; "eigen": Eigen's GEMM), ``cpu_isa`` (the widest vector ISA the CPU code was
+    compiled for: "avx512", "avx2+fma", "sse2"; KVEVICT_NATIVE), ``cuda`` (the CUDA backend is
+    compiled in). docs/python.md, "Install"."""
+    return {"cpu_gemm": _C.cpu_gemm, "cpu_isa": _C.cpu_isa, "cuda": bool(_C.cuda), "version": _C.version}
 
 
 def methods() -> List[str]:

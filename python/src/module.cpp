@@ -381,6 +381,21 @@ PYBIND11_MODULE(_C, m) {
   m.attr("version") = std::to_string(KVEVICT_VERSION_MAJOR) + "." + std::to_string(KVEVICT_VERSION_MINOR) + "." + std::to_string(KVEVICT_VERSION_PATCH);
   m.def("methods", &method_names);
   m.attr("cuda") = cuda_built();
+  // How the CPU backend was compiled (kvevict.build_info(); docs/performance.md "BLAS backend").
+#if defined(KVEVICT_WITH_BLIS)
+  m.attr("cpu_gemm") = "blis";
+#else
+  m.attr("cpu_gemm") = "eigen";
+#endif
+#if defined(__AVX512F__)
+  m.attr("cpu_isa") = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  m.attr("cpu_isa") = "avx2+fma";
+#elif defined(__x86_64__)
+  m.attr("cpu_isa") = "sse2";
+#else
+  m.attr("cpu_isa") = "generic";
+#endif
   py::class_<py_evictor>(m, "Evictor")
       .def(py::init<const std::string&, const py::dict&, const std::string&>(), py::arg("method"), py::arg("params"),
            py::arg("artifact") = "")

@@ -323,7 +323,7 @@ void run_case(reader& r) {
   const kvevict::status rs = ev.run(pr.in, budget, o.view(), o.ws.get(), o.ws_bytes, o.scores.get());
   using Sc = typename P::scorer;
   const bool expect_nonfinite =
-      check_finite && any_nonfinite_valid(pr, true, Sc::needs_values, Sc::needs_queries && s.with_queries,
+      check_finite && any_nonfinite_valid(pr, Sc::has_scores, Sc::needs_values, Sc::needs_queries && s.with_queries,
                                           Sc::needs_wo_factor(params.scorer), traits<P>::needs_wo_matrix);
   if (!rs.ok()) {
     FUZZ_ASSERT(rs.code() == kvevict::errc::non_finite_input, rs.message());

@@ -161,3 +161,11 @@ def test_decode_schedule_refuses_out_of_order():
 def test_evictor_docstring_states_thread_safety_as_the_docs():
     doc = kvevict.Evictor.__doc__
     assert "serialised" in doc and "Not thread-safe" not in doc
+
+
+def test_build_info_names_the_gemm_and_the_isa():
+    info = kvevict.build_info()
+    assert info["cpu_gemm"] in ("eigen", "blis")
+    assert info["cpu_isa"] in ("avx512", "avx2+fma", "sse2", "generic")
+    assert info["version"] == kvevict.__version__
+    assert isinstance(info["cuda"], bool)

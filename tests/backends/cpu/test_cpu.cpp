@@ -541,6 +541,52 @@ TEST_CASE_TEMPLATE("the NaN scan's memory-order pass finds a NaN in every valid 
   CHECK(cases > 1000);
 }
 
+TEST_CASE_TEMPLATE("key norm checks K in its own pass: the same error as the K scan, scored heads and heads kept whole, "
+                   "nothing written; StreamingLLM reads no key", T, float, bfloat16_t) {
+  // scorers::key_norm::detects_nonfinite_keys: run() skips the K scan before scoring; a non-finite
+  // sum of squares sends it to the scan (which names the element), and the heads the scorer did
+  // not read (length <= budget: kept whole) are scanned after scoring. Every valid element in turn.
+  kvtest::shape sh;
+  sh.batch = 2, sh.kv_heads = 3, sh.group = 2, sh.cap = 11, sh.d = 3, sh.window = 4, sh.hidden = 8;
+  const std::vector<std::int32_t> lens = {5, 11, 0, 9, 2, 11};
+  const T ninf = kv::from_float<T>(-std::numeric_limits<float>::infinity());
+  const T nan = kv::from_float<T>(std::numeric_limits<float>::quiet_NaN());
+  kv::evictor<kv::presets::key_norm, kv::cpu::backend> kn;
+  kv::evictor<kv::presets::streaming_llm, kv::cpu::backend> sl;
+  const auto budget = kv::budget_request::tokens(6);
+  int cases = 0, whole = 0;
+  for (layout l : {layout::hnd, layout::nhd}) {
+    CAPTURE(kvtest::to_string(l));
+    const kvtest::problem p = kvtest::make_problem(sh, 4343, 1.0, 1.0, 1.0, lens);
+    kvtest::stored<T> st;
+    kvtest::store(p, l, st);
+    const auto& in = st.in;
+    REQUIRE(kvtest::run_lib(kn, in, budget).st.ok());
+    for (std::int64_t b = 0; b < 2; ++b)
+      for (std::int64_t h = 0; h < 3; ++h)
+        for (std::int64_t s = 0; s < in.length(b, h); ++s)
+          for (std::int64_t c = 0; c < 3; ++c) {
+            T& x = st.kbuf[static_cast<std::size_t>(&in.keys(b, h, s, c) - st.kbuf.data())];
+            const T keep = x;
+            x = (s + c) % 2 ? ninf : nan;
+            const auto r = kvtest::run_lib(kn, in, budget);
+            const auto r2 = kvtest::run_lib(sl, in, budget);
+            x = keep;
+            CHECK(r.st.code() == kv::errc::non_finite_input);
+            const std::string want = "keys(b=" + std::to_string(b) + ", h=" + std::to_string(h) + ", s=" + std::to_string(s) +
+                                     ", d=" + std::to_string(c) + ") = " + ((s + c) % 2 ? "-inf" : "nan");
+            CHECK_MESSAGE(std::string(r.st.message()).find(want) != std::string::npos, r.st.message());
+            for (std::int64_t v : r.indptr) CHECK(v == -7);
+            for (float v : r.scores) CHECK(v == -7.0f);
+            CHECK_MESSAGE(r2.st.ok(), r2.st.message());  // StreamingLLM: positions only
+            whole += in.length(b, h) <= 6;
+            ++cases;
+          }
+  }
+  CHECK(cases == 2 * 3 * (5 + 11 + 0 + 9 + 2 + 11));
+  CHECK(whole == 2 * 3 * (5 + 2));
+}
+
 TEST_CASE("NaN/inf outside the valid region (padding) is never read; check_finite = false skips the scan") {
   kvtest::shape s;
   s.batch = 2, s.kv_heads = 1, s.group = 1, s.cap = 20, s.d = 8, s.window = 4, s.hidden = 8;

@@ -499,13 +499,26 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     return true;
   }
 
+  /// True when run() leaves K's scan to the scorer's own pass (scorers with
+  /// detects_nonfinite_keys, contiguous K, not sharded: a sharded rank must know its status before
+  /// the exchange's first round).
   template <class T>
-  status check_finite(const layer_inputs<T>& in) const {
+  static bool keys_checked_by_scorer(const layer_inputs<T>& in, bool sharded) {
+    return kvevict::detail::scorer_detects_nonfinite_keys<Scorer>::value && !in.paged() && !sharded;
+  }
+
+  /// The NaN/inf scan of what the scorer reads (check_finite). scan_keys = false leaves K out
+  /// (keys_checked_by_scorer).
+  template <class T>
+  status check_finite(const layer_inputs<T>& in, bool scan_keys = true) const {
     auto kv_rows = [&](std::int64_t b, std::int64_t h, std::int64_t* r0, std::int64_t* r1) {
       *r0 = 0;
       *r1 = in.length(b, h);
     };
-    if (in.paged()) {
+    // Only what the scorer reads: a position-only scorer (scorers::none, StreamingLLM) reads no
+    // key, so a non-finite key cannot change its selection and K is not scanned.
+    if (!Scorer::has_scores || !scan_keys) {
+    } else if (in.paged()) {
       KVEVICT_TRY(cpu::detail::scan_finite_paged(in, in.keys, "keys"));
       if (in.values.data && Scorer::needs_values) KVEVICT_TRY(cpu::detail::scan_finite_paged(in, in.values, "values"));
     } else {
@@ -614,7 +627,7 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
     c.rewind(table_mark);
     if (in.lengths.data || in.paged()) KVEVICT_TRY(FE::check_length_range(in.batch(), in.kv_heads(), in.capacity(), len));
     KVEVICT_TRY(FE::check_layer_mean_lengths(p_, in.batch(), in.kv_heads(), len));
-    if (p_.check_finite) KVEVICT_TRY(check_finite(in));
+    if (p_.check_finite) KVEVICT_TRY(check_finite(in, !keys_checked_by_scorer(in, ex != nullptr)));
     buf = carve_all(c, in, nt);
     buf.nt = nt;
     // 1. plans, the budgets that need no scores, the "needs scoring" flags (front-end rules;
@@ -643,6 +656,10 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
   const int nt = buf.nt;
   bool any_scoring = false;
   for (std::int64_t r = 0; r < rows; ++r) any_scoring = any_scoring || buf.need[r];
+  // K checked by the scorer's own pass (keys_checked_by_scorer): the flags start clear, and after
+  // scoring a set flag or a head the scorer did not read sends run() to the K scan.
+  const bool fused_key_check = p_.check_finite && keys_checked_by_scorer(in, ex != nullptr);
+  for (int t = 0; t < nt; ++t) buf.scratch[t].nonfinite_keys = false;
 
   // 2. scoring + GQA reduction (per (sequence, KV head)), then smoothing (per row)
   if constexpr (Scorer::has_scores) {
@@ -669,6 +686,14 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
           cpu::detail::reduce_group_secondary(p_.gqa, grows2, Gq, Gout, L, S, buf.scores2 + r0 * S);
         cpu::detail::reduce_group(p_.gqa, grows, gdrift, Gq, Gout, L, S, buf.scores + r0 * S, buf.drift + r0);
       });
+      if (fused_key_check) {
+        bool bad = false;
+        for (int t = 0; t < nt; ++t) bad = bad || buf.scratch[t].nonfinite_keys;
+        if (bad) {  // the scan names the element, exactly as before scoring; nothing written yet
+          KVEVICT_TRY(check_finite(in));
+          return status::error(errc::non_finite_input, "keys: a non-finite key (the scorer's pass)");  // not reached
+        }
+      }
       if (p_.gqa == gqa_reduction::layer_mean) {
         for (std::int64_t b = 0; b < B; ++b) {
           if (!buf.need[b * H]) continue;
@@ -684,6 +709,15 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
                                            buf.dq + static_cast<std::int64_t>(tid) * S);
       });
     }
+  }
+
+  if (fused_key_check) {  // the heads whose keys the scorer did not read (kept whole): the K scan
+    KVEVICT_TRY(cpu::detail::scan_finite(in.keys, "keys", [&](std::int64_t b, std::int64_t h, std::int64_t* r0, std::int64_t* r1) {
+      bool scored = false;
+      for (std::int64_t g = 0; g < Gout; ++g) scored = scored || buf.need[b * H + h * Gout + g];
+      *r0 = 0;
+      *r1 = (any_scoring && scored) ? 0 : in.length(b, h);
+    }));
   }
 
   // 3. score-driven budgets (the budgeter's CPU implementation moves budget between heads)

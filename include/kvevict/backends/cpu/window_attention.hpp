@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "kvevict/backends/cpu/backend.hpp"
+#include "kvevict/backends/cpu/gemm.hpp"
 
 namespace kvevict {
 namespace cpu {
@@ -125,7 +126,7 @@ inline void attention_block(const cmap_rm& q, const Keys& k, std::int64_t L, std
   for (std::int64_t n0 = 0; n0 < L; n0 += attention_key_tile) {
     const std::int64_t nt = std::min(attention_key_tile, L - n0);
     map_rm lg(logits + n0, rb, nt, Eigen::OuterStride<>(L));
-    lg.noalias() = scale * (q * k.tile(n0, nt).transpose());
+    gemm_nt(scale, q, k.tile(n0, nt), lg);
     for (std::int64_t r = 0; r < rb; ++r) {
       const std::int64_t vis = L - w + j0 + r % rph + 1;  // visible keys [0, vis)
       const std::int64_t m = std::min(nt, vis - n0);

@@ -389,7 +389,9 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
         lens, in.paged() ? in.pages.protected_prefix : nullptr, ps, pl.budget, p_.selector, p_.budgeter, bf.status, bf.len_kv, bf.plankv, bf.needkv, bf.plans, bf.budgets, bf.need,
         bf.bu);
     KVEVICT_CUDA_CHECK_LAUNCH();
-    if (p_.check_finite && in.paged()) {
+    // Only what the scorer reads (as the CPU backend): scorers::none (StreamingLLM) reads no key.
+    if (!Scorer::has_scores) {
+    } else if (p_.check_finite && in.paged()) {
       const std::int64_t n = static_cast<std::int64_t>(B) * Hkv * S * sh.d;
       paged_finite_scan_kernel<T><<<grid_for(n), T256, 0, st>>>(in.keys, in.pages, 0, bf.len_kv, B, S, bf.status);
       KVEVICT_CUDA_CHECK_LAUNCH();

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kvevict/backends/cpu/gemm.hpp"
 #include "kvevict/backends/cpu/scorers/window_scorer.hpp"
 #include "kvevict/policies/scorers.hpp"
 
@@ -40,7 +41,7 @@ inline void value_l1_norms(const layer_inputs<T>& in, std::int64_t hq, const row
   for (std::int64_t n0 = 0; n0 < L; n0 += value_norm_token_block) {
     const std::int64_t nb = std::min(value_norm_token_block, L - n0);
     map_rm Y(s.pbuf, nb, C, Eigen::OuterStride<>(C));
-    Y.noalias() = V.rows(n0, nb, s.vbuf) * W.transpose();
+    gemm_nt(1.0f, V.rows(n0, nb, s.vbuf), W, Y);
     for (std::int64_t t = 0; t < nb; ++t) {
       const float* y = s.pbuf + t * C;
       double acc = 0.0;

@@ -116,6 +116,7 @@ struct head_scratch {
   float* st_c = nullptr;        // w (temporal weights)
   float* wbuf = nullptr;        // C x d   (W_O^h staged, attention_value_norm only)
   float* pbuf = nullptr;        // value_norm_token_block x C (projected values of a token block)
+  bool nonfinite_keys = false;  // set by a scorer with detects_nonfinite_keys that met a non-finite key
 
   /// What the scorer's scratch must hold beyond its tiles (the defaults hold everything, as a
   /// scorer written before the tiles expects).

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kvevict/backends/cpu/gemm.hpp"
 #include "kvevict/backends/cpu/scorers/window_scorer.hpp"
 #include "kvevict/policies/scorers.hpp"
 
@@ -71,7 +72,7 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
       c.y_stride = G * d;
       if (c.before) {
         map_rm Yall(s.ybuf, L, G * d, Eigen::OuterStride<>(G * d));
-        Yall.noalias() = c.V * c.rcat.transpose();
+        gemm_nt(1.0f, c.V, c.rcat, Yall);
       }
     } else if (c.before) {
       c.y_base = c.V.data();
@@ -96,7 +97,7 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
     mat_rm Zb = Pb * V;
     mat_rm RZ = use_r ? mat_rm(Zb * c.rcat.middleRows(g * d, d).transpose()) : Zb;
     map_rm cross(s.cross, rb, L, Eigen::OuterStride<>(L));
-    cross.noalias() = RZ * Y.transpose();
+    gemm_nt(1.0f, RZ, Y, cross);
     for (std::int64_t r = 0; r < rb; ++r) {
       const std::int64_t j = j0 + r;
       const std::int64_t vis = L - w + j + 1;
@@ -207,7 +208,7 @@ struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<score
       std::int64_t ys = Vt.outerStride();
       if (use_r) {
         map_rm Yt(s.ybuf, nb, G * d, Eigen::OuterStride<>(G * d));
-        Yt.noalias() = Vt * rcat.transpose();
+        gemm_nt(1.0f, Vt, rcat, Yt);
         yb = s.ybuf;
         ys = G * d;
       }
