@@ -32,6 +32,7 @@ the rest is the binding's argument checks and result tensors), speedup = torch /
 
     PYTHONPATH=<build>/python python3 bench/python/bench_torch.py [--seqs 4096,16384,32768]
         [--dtypes fp32,bf16] [--threads 1,2] [--methods snapkv,restkv,...] [--reps 5] [--json out.json]
+    python3 bench/python/bench_torch.py --render a.json b.json ...   # markdown table of runs side by side
 
 Threads: torch.set_num_threads(t) and kvevict's num_threads=t, per row. Run it with the torch you
 want to compare against (Debian's python3-torch uses the system BLAS: check
@@ -48,9 +49,35 @@ import statistics
 import sys
 import time
 
-import torch
+def render(paths) -> str:
+    """A markdown table of several --json runs side by side: per (method, L, dtype, threads) and run,
+    "torch ms / kvevict ms (speedup)"; runs are labelled by their torch version and kvevict build."""
+    runs = [json.load(open(p)) for p in paths]
+    labels = [f"torch {r['torch']} vs kvevict {r.get('build', {}).get('cpu_gemm', '?')}" for r in runs]
+    keys = []
+    for r in runs:
+        for x in r["rows"]:
+            k = (x["method"], x["L"], x["dtype"], x["threads"])
+            if k not in keys:
+                keys.append(k)
+    out = ["| method | L | dtype | threads | " + " | ".join(labels) + " |", "|---|---|---|---|" + "---|" * len(runs)]
+    for k in keys:
+        cells = []
+        for r in runs:
+            x = next((y for y in r["rows"] if (y["method"], y["L"], y["dtype"], y["threads"]) == k), None)
+            cells.append("-" if x is None else f"{x['torch_ms']:.3g} / {x['kvevict_ms']:.3g} (**{x['speedup']:.2f}x**)"
+                         + ("" if x["same_sets"] == x["heads"] else f", sets {x['same_sets']}/{x['heads']}"))
+        out.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
-import kvevict
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--render"]:  # needs neither torch nor kvevict
+    print(render(sys.argv[2:]))
+    sys.exit(0)
+
+import torch  # noqa: E402
+
+import kvevict  # noqa: E402
 
 B_, HQ, HKV, D, W = 1, 32, 8, 128, 32
 G = HQ // HKV
