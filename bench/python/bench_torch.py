@@ -20,7 +20,7 @@ Methods and the torch side (kvevict's published defaults; ../shared/spec/baselin
   for every KV head);
 - h2o: column sums of the full causal attention of all L queries (query blocks of 256 rows, never
   the L x L matrix), group mean, the last B/2 tokens + the top B/2 of the others (L = 4k only by
-  default: O(L^2 d) for both sides, about 2 TFLOP at 16k);
+  default: O(L^2 d) for both sides, about 1.1 TFLOP for the causal half at 16k);
 - key_norm: the B lowest ||k_n|| (query-free, so no window is protected);
 - streaming_llm: 4 sinks + the last B - 4 tokens.
 Shape: batch 1, q_heads 32, kv_heads 8, head_dim 128, window 32 (HND), budget B = 1024 tokens per

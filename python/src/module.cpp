@@ -381,7 +381,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("version") = std::to_string(KVEVICT_VERSION_MAJOR) + "." + std::to_string(KVEVICT_VERSION_MINOR) + "." + std::to_string(KVEVICT_VERSION_PATCH);
   m.def("methods", &method_names);
   m.attr("cuda") = cuda_built();
-  // How the CPU backend was compiled (kvevict.build_info(); docs/performance.md "BLAS backend").
+  // How the CPU backend was compiled (kvevict.build_info(); docs/performance.md "Against plain PyTorch on a real BLAS").
 #if defined(KVEVICT_WITH_BLIS)
   m.attr("cpu_gemm") = "blis";
 #else

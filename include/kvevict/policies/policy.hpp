@@ -54,7 +54,8 @@ struct eviction_policy {
     typename Budgeter::params budgeter{};
     typename Selector::params selector{};
     gqa_reduction gqa = gqa_reduction::mean;
-    /// Scan the valid region of Q, K, V for NaN/inf and fail with errc::non_finite_input.
+    /// Scan the valid region of the Q, K, V (and W_O) that the scorer reads for NaN/inf and fail
+    /// with errc::non_finite_input (a position-only scorer, StreamingLLM, reads none of them).
     bool check_finite = true;
   };
 

@@ -1,7 +1,9 @@
 // IWYU pragma: private, include "kvevict/cpu.hpp"
 // The CPU backend's GEMM-bound products, C = alpha * A * B^T over fp32 row-major blocks: Eigen's
 // GEMM by default, BLIS's when the build defines KVEVICT_WITH_BLIS (CMake: -DKVEVICT_BLAS=BLIS;
-// docs/performance.md, "BLAS backend").
+// docs/performance.md, "Against plain PyTorch on a real BLAS"). Every translation unit of a
+// program must agree on KVEVICT_WITH_BLIS (the inline functions that call gemm_nt are the same
+// names either way).
 //
 // Why BLIS and not a CBLAS: a kvevict call runs on exactly the threads its plan says (issue 37;
 // cpu::detail::thread_scope), and its products run inside its own parallel region, one per
@@ -14,10 +16,11 @@
 // passed as they are, never copied.
 //
 // Results: the same products summed in another order, so scores differ from the Eigen build in
-// the last bits and selections may differ at near-ties (counted in docs/performance.md).
+// the last bits and selections may differ at near-ties of the scores.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvevict/backends/cpu/backend.hpp"
 
@@ -44,6 +47,7 @@ inline constexpr bool gemm_uses_blis =
 template <class C, class A, class B>
 inline void gemm_nt(float alpha, const A& a, const B& b, C&& c) {
 #if defined(KVEVICT_WITH_BLIS)
+  eigen_assert(a.cols() == b.cols() && c.rows() == a.rows() && c.cols() == b.rows());
   const dim_t m = static_cast<dim_t>(a.rows()), n = static_cast<dim_t>(b.rows()), k = static_cast<dim_t>(a.cols());
   if (m == 0 || n == 0) return;
   // Row/column strides of an Eigen block: row-major -> (outer, inner), column-major -> (inner, outer).
@@ -53,7 +57,8 @@ inline void gemm_nt(float alpha, const A& a, const B& b, C&& c) {
     c.setZero();
     return;
   }
-  rntm_t rntm = BLIS_RNTM_INITIALIZER;
+  rntm_t rntm;
+  bli_rntm_init(&rntm);
   bli_rntm_set_num_threads_only(1, &rntm);  // the calling thread only
   float al = alpha, be = 0.0f;
   bli_sgemm_ex(BLIS_NO_TRANSPOSE, BLIS_TRANSPOSE, m, n, k, &al, const_cast<float*>(a.data()), rs(a), cs(a),

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "kvevict/backends/cpu/scorers/common.hpp"
 #include "kvevict/policies/scorers.hpp"
@@ -17,6 +18,13 @@ namespace cpu {
 
 template <>
 struct scorer_impl<scorers::key_norm> : scorer_impl_base {
+  /// x is finite, tested on its exponent bits (as the K scan's row_finite): std::isfinite may be
+  /// folded to true under -ffinite-math-only / -ffast-math in a user's translation unit.
+  static bool finite_bits(double x) {
+    std::uint64_t u;
+    std::memcpy(&u, &x, sizeof u);
+    return (u & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+  }
   /// K by tiles, no queries, no window attention (no logits block).
   static constexpr bool full_kv() { return false; }
   static constexpr bool all_queries() { return false; }
@@ -44,7 +52,7 @@ struct scorer_impl<scorers::key_norm> : scorer_impl_base {
         double tail = 0.0;
         for (; c < d; ++c) tail += static_cast<double>(x[c]) * x[c];
         const double acc = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7])) + tail;
-        s.nonfinite_keys |= !std::isfinite(acc);
+        s.nonfinite_keys |= !finite_bits(acc);
         rows[n0 + n] = saturate(-std::sqrt(acc));
       }
     }
