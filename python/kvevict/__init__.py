@@ -119,7 +119,7 @@ _STAGES = ("scorer", "temporal", "spatial", "budgeter", "selector")
 def build_info() -> Dict[str, Any]:
     """How the compiled core was built: ``cpu_gemm`` ("blis": the CPU scorers' products on BLIS,
     KVEVICT_BLAS; "eigen": Eigen's GEMM), ``cpu_isa`` (the widest vector ISA the CPU code was
-    compiled for: "avx512", "avx2+fma", "sse2"; KVEVICT_NATIVE), ``cuda`` (the CUDA backend is
+    compiled for: "avx512", "avx2+fma", "avx2", "avx", "sse2"; KVEVICT_NATIVE), ``cuda`` (the CUDA backend is
     compiled in). docs/python.md, "Install"."""
     return {"cpu_gemm": _C.cpu_gemm, "cpu_isa": _C.cpu_isa, "cuda": bool(_C.cuda), "version": _C.version}
 

@@ -391,6 +391,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("cpu_isa") = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
   m.attr("cpu_isa") = "avx2+fma";
+#elif defined(__AVX2__)
+  m.attr("cpu_isa") = "avx2";
+#elif defined(__AVX__)
+  m.attr("cpu_isa") = "avx";
 #elif defined(__x86_64__)
   m.attr("cpu_isa") = "sse2";
 #else
