@@ -844,7 +844,11 @@ int main(int argc, char** argv) {
     const int expected = int(methods.size() * opt.budgets.size());
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("self-check (unevicted cache, isolated attention vs forward()): max rel err %.2e\n", self_check);
-    std::printf("rows %d / %d; wrote %s and %s; %.1f s\n", rows, expected, csv_path.c_str(), pp_path.c_str(), secs);
+    // File names only: the table is copied into docs/ (scripts/fidelity.sh --update-docs), where the
+    // machine's absolute --out folder would mean nothing to a reader.
+    auto base = [](const std::string& p) { const auto i = p.find_last_of('/'); return i == std::string::npos ? p : p.substr(i + 1); };
+    std::printf("rows %d / %d; wrote %s and %s in the --out folder; %.1f s\n", rows, expected, base(csv_path).c_str(),
+                base(pp_path).c_str(), secs);
     if (self_check > 1e-4) { std::fprintf(stderr, "error: measurement self-check failed (%.3e > 1e-4)\n", self_check); ok = false; }
     if (rows != expected) ok = false;
     if (!ok) {

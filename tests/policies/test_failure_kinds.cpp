@@ -1,4 +1,4 @@
-// Failure kinds 1, 3, 8, 9, 10 of /work/shared/spec/failure-kinds.md at the policy level, through
+// Failure kinds 1, 3, 8, 9, 10 of ../shared/spec/failure-kinds.md at the policy level, through
 // the ReST-KV and SnapKV presets on the CPU backend (failure kind 2, protection under hostile
 // scores, is in test_selectors.cpp):
 //  1: degenerate sizes (L = 0, 1, L <= window, budget >= L, fractions that floor to 0);

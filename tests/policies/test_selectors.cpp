@@ -1,7 +1,7 @@
 // The built-in selectors (include/kvevict/policies/selectors.hpp, backends/cpu/selectors/):
 //  - top-k with protected tokens (cpu::detail::select_head) vs the reference, under adversarial
 //    scores;
-//  - failure kind 2 of /work/shared/spec/failure-kinds.md: protection is a selector rule, so the
+//  - failure kind 2 of ../shared/spec/failure-kinds.md: protection is a selector rule, so the
 //    sinks and the window are kept under equal, NaN, inf and FLT_MAX scores of a user scorer.
 // The two-stage selector (CriticalKV) is tested in test_criticalkv.cpp.
 #include <doctest/doctest.h>

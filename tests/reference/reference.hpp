@@ -1,7 +1,7 @@
 // Naive, independent fp64 reference implementations of everything kvevict computes.
 //
 // Plain loops over std::vector<double>; no Eigen, no kvevict backend code (this header includes
-// nothing from kvevict). Written from the specs (/work/shared/spec/restkv.md, baselines.md) and
+// nothing from kvevict). Written from the specs (../shared/spec/restkv.md, baselines.md) and
 // the documented rules of the public headers, not from the backend sources. Speed is not a goal:
 // use small shapes.
 //
