@@ -117,10 +117,6 @@ struct key_norm {
   static constexpr bool needs_values = false;
   static constexpr bool window_attention = false;
   static constexpr bool has_scores = true;
-  /// Its own pass over K finds a non-finite key (a row's fp64 sum of squares is finite exactly
-  /// when every element is: a finite float squared stays below 1.2e77), so the CPU backend does
-  /// not scan K before scoring; the check_finite error is the same (detail::scorer_detects_nonfinite_keys).
-  static constexpr bool detects_nonfinite_keys = true;
   static bool needs_wo_factor(const params&) { return false; }
   static status check(const params&) { return {}; }
 };
@@ -176,15 +172,6 @@ template <class S, class = void>
 struct scorer_secondary : std::false_type {};
 template <class S>
 struct scorer_secondary<S, std::void_t<decltype(S::secondary_scores)>> : std::integral_constant<bool, S::secondary_scores> {};
-
-/// True when scorer S declares `static constexpr bool detects_nonfinite_keys = true`: its CPU pass
-/// reads every valid key and sets head_scratch::nonfinite_keys when one is not finite, so that
-/// run() scans K only when that flag is set (to name the element) or for heads it did not score.
-template <class S, class = void>
-struct scorer_detects_nonfinite_keys : std::false_type {};
-template <class S>
-struct scorer_detects_nonfinite_keys<S, std::void_t<decltype(S::detects_nonfinite_keys)>>
-    : std::integral_constant<bool, S::detects_nonfinite_keys> {};
 
 /// True when scorer S declares `static constexpr bool needs_wo_matrix = true` (reads layer_inputs::wo).
 template <class S, class = void>

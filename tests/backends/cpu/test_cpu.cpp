@@ -541,27 +541,32 @@ TEST_CASE_TEMPLATE("the NaN scan's memory-order pass finds a NaN in every valid 
   CHECK(cases > 1000);
 }
 
-TEST_CASE_TEMPLATE("key norm checks K in its own pass: the same error as the K scan, scored heads and heads kept whole, "
-                   "nothing written; StreamingLLM reads no key", T, float, bfloat16_t) {
-  // scorers::key_norm::detects_nonfinite_keys: run() skips the K scan before scoring; a non-finite
-  // sum of squares sends it to the scan (which names the element), and the heads the scorer did
-  // not read (length <= budget: kept whole) are scanned after scoring. Every valid element in turn.
+namespace {
+
+/// Every valid element of K in turn NaN or -inf, through evictor<Policy>: the error names it as
+/// the K scan does (cpu::detail::scan_finite's message), nothing is written; `whole` counts the
+/// elements of heads kept whole (length <= budget: the scorer does not read them, run() scans
+/// them after scoring). With the element's query row (the newest of head 0 of its group) NaN too,
+/// and for a scorer that reads V with V bad too, K is still named first.
+template <class Policy, class T>
+void check_fused_key_scan(int* cases, int* whole, const typename Policy::params& params = Policy::defaults()) {
   kvtest::shape sh;
   sh.batch = 2, sh.kv_heads = 3, sh.group = 2, sh.cap = 11, sh.d = 3, sh.window = 4, sh.hidden = 8;
   const std::vector<std::int32_t> lens = {5, 11, 0, 9, 2, 11};
   const T ninf = kv::from_float<T>(-std::numeric_limits<float>::infinity());
   const T nan = kv::from_float<T>(std::numeric_limits<float>::quiet_NaN());
-  kv::evictor<kv::presets::key_norm, kv::cpu::backend> kn;
+  kv::evictor<Policy, kv::cpu::backend> ev(params);
   kv::evictor<kv::presets::streaming_llm, kv::cpu::backend> sl;
   const auto budget = kv::budget_request::tokens(6);
-  int cases = 0, whole = 0;
   for (layout l : {layout::hnd, layout::nhd}) {
     CAPTURE(kvtest::to_string(l));
     const kvtest::problem p = kvtest::make_problem(sh, 4343, 1.0, 1.0, 1.0, lens);
     kvtest::stored<T> st;
     kvtest::store(p, l, st);
     const auto& in = st.in;
-    REQUIRE(kvtest::run_lib(kn, in, budget).st.ok());
+    const auto ok = kvtest::run_lib(ev, in, budget);
+    const std::string why = std::string(Policy::scorer::name) + ": " + ok.st.message();
+    REQUIRE_MESSAGE(ok.st.ok(), why);
     for (std::int64_t b = 0; b < 2; ++b)
       for (std::int64_t h = 0; h < 3; ++h)
         for (std::int64_t s = 0; s < in.length(b, h); ++s)
@@ -569,22 +574,55 @@ TEST_CASE_TEMPLATE("key norm checks K in its own pass: the same error as the K s
             T& x = st.kbuf[static_cast<std::size_t>(&in.keys(b, h, s, c) - st.kbuf.data())];
             const T keep = x;
             x = (s + c) % 2 ? ninf : nan;
-            const auto r = kvtest::run_lib(kn, in, budget);
-            const auto r2 = kvtest::run_lib(sl, in, budget);
-            x = keep;
-            CHECK(r.st.code() == kv::errc::non_finite_input);
             const std::string want = "keys(b=" + std::to_string(b) + ", h=" + std::to_string(h) + ", s=" + std::to_string(s) +
                                      ", d=" + std::to_string(c) + ") = " + ((s + c) % 2 ? "-inf" : "nan");
+            const auto r = kvtest::run_lib(ev, in, budget);
+            CHECK(r.st.code() == kv::errc::non_finite_input);
             CHECK_MESSAGE(std::string(r.st.message()).find(want) != std::string::npos, r.st.message());
             for (std::int64_t v : r.indptr) CHECK(v == -7);
             for (float v : r.scores) CHECK(v == -7.0f);
+            if (c == 0 && Policy::scorer::needs_queries) {  // K before the queries
+              T& q = st.qbuf[static_cast<std::size_t>(&in.queries(b, h * 2, in.window() - 1, 1) - st.qbuf.data())];
+              const T qkeep = q;
+              q = nan;
+              const auto rq = kvtest::run_lib(ev, in, budget);
+              q = qkeep;
+              CHECK_MESSAGE(std::string(rq.st.message()).find(want) != std::string::npos, rq.st.message());
+            }
+            if (c == 1 && Policy::scorer::needs_values) {  // K before V
+              T& v = st.vbuf[static_cast<std::size_t>(&in.values(b, h, s, 2) - st.vbuf.data())];
+              const T vkeep = v;
+              v = nan;
+              const auto rv = kvtest::run_lib(ev, in, budget);
+              v = vkeep;
+              CHECK_MESSAGE(std::string(rv.st.message()).find(want) != std::string::npos, rv.st.message());
+            }
+            const auto r2 = kvtest::run_lib(sl, in, budget);
+            x = keep;
             CHECK_MESSAGE(r2.st.ok(), r2.st.message());  // StreamingLLM: positions only
-            whole += in.length(b, h) <= 6;
-            ++cases;
+            *whole += in.length(b, h) <= 6;
+            ++*cases;
           }
   }
-  CHECK(cases == 2 * 3 * (5 + 11 + 0 + 9 + 2 + 11));
-  CHECK(whole == 2 * 3 * (5 + 2));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("scorers that check K in their own pass (key norm, SnapKV, TOVA, ReST-KV): the same error as the K scan, "
+                   "scored heads and heads kept whole, nothing written; StreamingLLM reads no key", T, float, bfloat16_t) {
+  // cpu::scorer_impl<S>::detects_nonfinite_keys: run() skips the K scan before scoring; a
+  // non-finite key (key norm: a non-finite sum of squares; the window-attention scorers: a
+  // non-finite fp64 logit of the newest window row, which sees every key) sends it to the scan,
+  // which names the element, and the heads the scorer did not read are scanned after scoring.
+  int cases = 0, whole = 0;
+  check_fused_key_scan<kv::presets::key_norm, T>(&cases, &whole);
+  check_fused_key_scan<kv::presets::snapkv, T>(&cases, &whole);
+  auto tova = kv::presets::tova::defaults();
+  tova.gqa = kv::gqa_reduction::mean;  // ragged lengths (layer_mean needs equal ones)
+  check_fused_key_scan<kv::presets::tova, T>(&cases, &whole, tova);
+  check_fused_key_scan<kv::presets::restkv, T>(&cases, &whole);
+  CHECK(cases == 4 * 2 * 3 * (5 + 11 + 0 + 9 + 2 + 11));
+  CHECK(whole == 4 * 2 * 3 * (5 + 2));
 }
 
 TEST_CASE("NaN/inf outside the valid region (padding) is never read; check_finite = false skips the scan") {

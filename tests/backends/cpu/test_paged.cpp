@@ -331,11 +331,23 @@ TEST_CASE_TEMPLATE("paged: the NaN scan's pool-order pass finds a NaN in every s
                   x = nan;
                   const bool found = kv::cpu::detail::any_nonfinite_paged(pg.in, k);
                   const kv::status e = kv::cpu::detail::scan_finite_paged(pg.in, k, "keys");
+                  // the head filter (the evictor's scan of the heads it did not score): the
+                  // element's own head alone finds it, every other head does not
+                  auto own = [&](std::int64_t b2, std::int64_t h2) { return b2 == b && h2 == h; };
+                  auto others = [&](std::int64_t b2, std::int64_t h2) { return !own(b2, h2); };
+                  const bool found_own = kv::cpu::detail::any_nonfinite_paged(pg.in, k, own);
+                  const kv::status e_own = kv::cpu::detail::scan_finite_paged(pg.in, k, "keys", own);
+                  const bool found_others = kv::cpu::detail::any_nonfinite_paged(pg.in, k, others);
+                  const kv::status e_others = kv::cpu::detail::scan_finite_paged(pg.in, k, "keys", others);
                   x = keep;
                   CHECK(found);
+                  CHECK(found_own);
+                  CHECK_FALSE(found_others);
+                  CHECK(e_others.ok());
                   const std::string want = "keys(b=" + std::to_string(b) + ", h=" + std::to_string(h) + ", s=" + std::to_string(s) +
                                            ", d=" + std::to_string(c) + ") = nan";
                   CHECK(std::string(e.message()).find(want) != std::string::npos);
+                  CHECK(std::string(e_own.message()).find(want) != std::string::npos);
                   ++cases;
                 }
             }
@@ -344,6 +356,59 @@ TEST_CASE_TEMPLATE("paged: the NaN scan's pool-order pass finds a NaN in every s
   }
   CHECK(cases == expected);
   CHECK(cases > 5000);
+}
+
+TEST_CASE("paged: the scorers that check K in their own pass name a NaN key as the scan does, scored heads and heads kept whole") {
+  // cpu::scorer_impl<S>::detects_nonfinite_keys over a paged cache: no K scan before scoring; a
+  // NaN key in a scored head is met by the scorer (key norm's sum, SnapKV's newest window row)
+  // and named by scan_finite_paged; a head kept whole (length <= budget) is scanned after
+  // scoring with the head filter. Every valid element of K in turn; outputs untouched.
+  kvtest::shape sh;
+  sh.batch = 2, sh.kv_heads = 3, sh.group = 2, sh.cap = 13, sh.d = 3, sh.window = 2;
+  const std::vector<std::int32_t> lens = {5, 13, 0, 9, 1, 9};
+  const kvtest::problem p = kvtest::make_problem(sh, 43, 1.0, 1.0, 1.0, lens);
+  kvtest::stored<float> st;
+  kvtest::store(p, kvtest::layout::hnd, st);
+  kv::evictor<kv::presets::key_norm, kv::cpu::backend> kn;
+  kv::evictor<kv::presets::snapkv, kv::cpu::backend> snap;
+  const auto budget = kv::budget_request::tokens(6);
+  int cases = 0, whole = 0;
+  std::uint64_t seed = 11;
+  for (auto pool : {kvtest::pool_layout::nhd, kvtest::pool_layout::hnd})
+    for (bool per_head : {false, true}) {
+      CAPTURE(kvtest::to_string(pool));
+      CAPTURE(per_head);
+      kvtest::paged_copy<float> pg;
+      kvtest::make_paged(st.in, 4, pool, per_head, false, seed++, pg, false);
+      REQUIRE(kvtest::run_lib(kn, pg.in, budget).st.ok());
+      REQUIRE(kvtest::run_lib(snap, pg.in, budget).st.ok());
+      const auto& k = pg.in.keys;
+      for (std::int64_t b = 0; b < 2; ++b)
+        for (std::int64_t h = 0; h < 3; ++h) {
+          const auto rs = kv::cpu::detail::head_rows(pg.in, k, b, h);
+          for (std::int64_t s = 0; s < pg.in.length(b, h); ++s)
+            for (std::int64_t c = 0; c < 3; ++c) {
+              float& x = pg.kpool[static_cast<std::size_t>(rs.row_ptr(s) + c * rs.col_stride - pg.kpool.data())];
+              const float keep = x;
+              x = std::nanf("");
+              const auto r1 = kvtest::run_lib(kn, pg.in, budget);
+              const auto r2 = kvtest::run_lib(snap, pg.in, budget);
+              x = keep;
+              const std::string want = "keys(b=" + std::to_string(b) + ", h=" + std::to_string(h) + ", s=" + std::to_string(s) +
+                                       ", d=" + std::to_string(c) + ") = nan (page ";
+              for (const auto* r : {&r1, &r2}) {
+                CHECK(r->st.code() == kv::errc::non_finite_input);
+                CHECK_MESSAGE(std::string(r->st.message()).find(want) != std::string::npos, r->st.message());
+                for (std::int64_t v : r->indptr) CHECK(v == -7);
+                for (float v : r->scores) CHECK(v == -7.0f);
+              }
+              whole += pg.in.length(b, h) <= 6;
+              ++cases;
+            }
+        }
+    }
+  CHECK(cases == 4 * 3 * (5 + 13 + 0 + 9 + 1 + 9));
+  CHECK(whole == 4 * 3 * (5 + 1));
 }
 
 TEST_CASE("paged: rows that start inside their first page (pages.start_offset) equal the contiguous view, every preset") {

@@ -207,6 +207,14 @@ struct row_source {
   float at(std::int64_t r, std::int64_t c) const;
 };
 
+/// x is finite, tested on its exponent bits (as the K scan's row_finite): std::isfinite may be
+/// folded to true under -ffinite-math-only / -ffast-math in a user's translation unit.
+inline bool finite_bits(double x) {
+  std::uint64_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return (u & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+}
+
 /// Saturate to the finite float range (NaN -> 0: callers guarantee NaN cannot arise).
 inline float saturate(double x) {
   if (!(x == x)) return 0.0f;

@@ -144,8 +144,15 @@ inline status scan_finite(const V& v, const char* name, F rows_valid) {
 /// as one stream instead of kv_heads separate pieces (shuffled pages defeat the hardware
 /// prefetcher at every piece). Per-head tables are read head by head (each head owns its pages).
 /// Only a yes/no: scan_finite_paged names the first bad element in (b, h, s, d) order.
-template <class T>
-inline bool any_nonfinite_paged(const layer_inputs<T>& in, const kv_view<const T>& v) {
+/// Every (sequence, KV head): the default head filter of any_nonfinite_paged and scan_finite_paged.
+struct all_heads {
+  bool operator()(std::int64_t, std::int64_t) const { return true; }
+};
+
+/// `want(b, h)` filters the (sequence, KV head) pairs read (all_heads: every one); a sequence
+/// whose table the heads share and of which some heads are left out is read head by head.
+template <class T, class W = all_heads>
+inline bool any_nonfinite_paged(const layer_inputs<T>& in, const kv_view<const T>& v, W want = W{}) {
   const std::int64_t H = in.kv_heads(), d = v.extent[3];
   auto bad_rows = [&](const T* first, std::int64_t n, std::int64_t row_stride, std::int64_t col_stride) {
     if (col_stride == 1 && row_stride == d) return !row_finite(first, n * d);  // one block
@@ -162,8 +169,11 @@ inline bool any_nonfinite_paged(const layer_inputs<T>& in, const kv_view<const T
   };
   const bool slot_major = v.stride[2] > v.stride[1];  // NHD-like: a slot's heads lie closer than a head's slots
   for (std::int64_t b = 0; b < in.batch(); ++b) {
-    if (in.pages.per_head) {
+    bool every_head = true;
+    for (std::int64_t h = 0; h < H; ++h) every_head = every_head && want(b, h);
+    if (in.pages.per_head || !every_head) {
       for (std::int64_t h = 0; h < H; ++h) {
+        if (!want(b, h)) continue;
         const row_source<T> rs = head_rows(in, v, b, h);
         for (std::int64_t s0 = 0, L = in.length(b, h); s0 < L;) {
           const std::int64_t run = std::min(L - s0, rs.page_size - (s0 + rs.page_offset) % rs.page_size);
@@ -204,12 +214,14 @@ inline bool any_nonfinite_paged(const layer_inputs<T>& in, const kv_view<const T
 /// scan_finite over a paged cache: the rows of every (sequence, KV head) through its page table,
 /// named by logical coordinates (sequence, head, slot, dim) and the page that holds the slot.
 /// any_nonfinite_paged first (the fast pass, in pool order); the ordered walk that names the
-/// first bad element runs only when it finds one.
-template <class T>
-inline status scan_finite_paged(const layer_inputs<T>& in, const kv_view<const T>& v, const char* name) {
-  if (!any_nonfinite_paged(in, v)) return {};
+/// first bad element runs only when it finds one. `want(b, h)`: the (sequence, KV head) pairs
+/// scanned (all_heads: every one).
+template <class T, class W = all_heads>
+inline status scan_finite_paged(const layer_inputs<T>& in, const kv_view<const T>& v, const char* name, W want = W{}) {
+  if (!any_nonfinite_paged(in, v, want)) return {};
   for (std::int64_t b = 0; b < in.batch(); ++b)
     for (std::int64_t h = 0; h < in.kv_heads(); ++h) {
+      if (!want(b, h)) continue;
       const row_source<T> rs = head_rows(in, v, b, h);
       // page by page: one page lookup per run of rows, not one division per row
       for (std::int64_t s0 = 0, L = in.length(b, h); s0 < L;) {
@@ -499,12 +511,29 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     return true;
   }
 
-  /// True when run() leaves K's scan to the scorer's own pass (scorers with
-  /// detects_nonfinite_keys, contiguous K, not sharded: a sharded rank must know its status before
-  /// the exchange's first round).
+  /// True when run() leaves K's scan to the scorer's own pass: a CPU implementation with
+  /// detects_nonfinite_keys (key norm; the window-attention scorers, whose newest window row sees
+  /// every valid key: they need a window of at least one row), not sharded (a sharded rank must
+  /// know its status before the exchange's first round). Contiguous or paged alike.
   template <class T>
   static bool keys_checked_by_scorer(const layer_inputs<T>& in, bool sharded) {
-    return kvevict::detail::scorer_detects_nonfinite_keys<Scorer>::value && !in.paged() && !sharded;
+    if constexpr (Scorer::has_scores) {
+      if constexpr (cpu::detail::impl_detects_nonfinite_keys<cpu::scorer_impl<Scorer>>::value) {
+        if (Scorer::window_attention && !(in.queries.data && in.window() >= 1)) return false;
+        return !sharded;
+      }
+    }
+    return false;
+  }
+
+  /// check_finite before scoring: without K when the scorer's pass checks it. An error there
+  /// is reported as the whole scan would report it (K is named before V and the queries), so the
+  /// message never depends on which pass found the element.
+  template <class T>
+  status check_finite_before_scoring(const layer_inputs<T>& in, bool sharded) const {
+    if (!keys_checked_by_scorer(in, sharded)) return check_finite(in);
+    const status s = check_finite(in, false);
+    return s.ok() ? s : check_finite(in);
   }
 
   /// The NaN/inf scan of what the scorer reads (check_finite). scan_keys = false leaves K out
@@ -517,14 +546,11 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     };
     // Only what the scorer reads: a position-only scorer (scorers::none, StreamingLLM) reads no
     // key, so a non-finite key cannot change its selection and K is not scanned.
-    if (!Scorer::has_scores || !scan_keys) {
-    } else if (in.paged()) {
-      KVEVICT_TRY(cpu::detail::scan_finite_paged(in, in.keys, "keys"));
-      if (in.values.data && Scorer::needs_values) KVEVICT_TRY(cpu::detail::scan_finite_paged(in, in.values, "values"));
-    } else {
-      KVEVICT_TRY(cpu::detail::scan_finite(in.keys, "keys", kv_rows));
-      if (in.values.data && Scorer::needs_values) KVEVICT_TRY(cpu::detail::scan_finite(in.values, "values", kv_rows));
-    }
+    if (Scorer::has_scores && scan_keys)
+      KVEVICT_TRY(in.paged() ? cpu::detail::scan_finite_paged(in, in.keys, "keys") : cpu::detail::scan_finite(in.keys, "keys", kv_rows));
+    if (Scorer::has_scores && in.values.data && Scorer::needs_values)
+      KVEVICT_TRY(in.paged() ? cpu::detail::scan_finite_paged(in, in.values, "values")
+                             : cpu::detail::scan_finite(in.values, "values", kv_rows));
     if (in.queries.data && Scorer::needs_queries) {
       const std::int64_t G = in.group_size(), W = in.window();
       KVEVICT_TRY(cpu::detail::scan_finite(in.queries, "queries", [&](std::int64_t b, std::int64_t hq, std::int64_t* r0, std::int64_t* r1) {
@@ -627,7 +653,7 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
     c.rewind(table_mark);
     if (in.lengths.data || in.paged()) KVEVICT_TRY(FE::check_length_range(in.batch(), in.kv_heads(), in.capacity(), len));
     KVEVICT_TRY(FE::check_layer_mean_lengths(p_, in.batch(), in.kv_heads(), len));
-    if (p_.check_finite) KVEVICT_TRY(check_finite(in, !keys_checked_by_scorer(in, ex != nullptr)));
+    if (p_.check_finite) KVEVICT_TRY(check_finite_before_scoring(in, ex != nullptr));
     buf = carve_all(c, in, nt);
     buf.nt = nt;
     // 1. plans, the budgets that need no scores, the "needs scoring" flags (front-end rules;
@@ -712,12 +738,19 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
   }
 
   if (fused_key_check) {  // the heads whose keys the scorer did not read (kept whole): the K scan
-    KVEVICT_TRY(cpu::detail::scan_finite(in.keys, "keys", [&](std::int64_t b, std::int64_t h, std::int64_t* r0, std::int64_t* r1) {
-      bool scored = false;
-      for (std::int64_t g = 0; g < Gout; ++g) scored = scored || buf.need[b * H + h * Gout + g];
-      *r0 = 0;
-      *r1 = (any_scoring && scored) ? 0 : in.length(b, h);
-    }));
+    auto scored = [&](std::int64_t b, std::int64_t h) {
+      bool any = false;
+      for (std::int64_t g = 0; g < Gout; ++g) any = any || buf.need[b * H + h * Gout + g];
+      return any_scoring && any;
+    };
+    if (in.paged()) {
+      KVEVICT_TRY(cpu::detail::scan_finite_paged(in, in.keys, "keys", [&](std::int64_t b, std::int64_t h) { return !scored(b, h); }));
+    } else {
+      KVEVICT_TRY(cpu::detail::scan_finite(in.keys, "keys", [&](std::int64_t b, std::int64_t h, std::int64_t* r0, std::int64_t* r1) {
+        *r0 = 0;
+        *r1 = scored(b, h) ? 0 : in.length(b, h);
+      }));
+    }
   }
 
   // 3. score-driven budgets (the budgeter's CPU implementation moves budget between heads)

@@ -68,6 +68,10 @@ struct head_job {
 ///                                                without window attention say 0)
 ///   template <class T> static status check_layer(const params&, const layer_inputs<T>&)
 ///                                                plan-time check against the layer's shapes
+///   static constexpr bool detects_nonfinite_keys score() reads every valid key of a head it
+///                                                scores and sets head_scratch::nonfinite_keys
+///                                                on a NaN or inf one: run() skips its K scan
+///                                                (default false)
 /// head_scorer<Impl> (backends/cpu/scorers/head_scorer.hpp) turns a simple per-head function on
 /// fp32 copies into this interface; the legacy hook S::score_kv_head(params, cpu::head_inputs,
 /// float*) is served that way.
@@ -119,7 +123,22 @@ struct scorer_impl_base {
   static status check_layer(const P&, const layer_inputs<T>&) {
     return {};
   }
+  /// True when score() reads every valid key of each (sequence, KV head) it scores and sets
+  /// head_scratch::nonfinite_keys when one is NaN or inf (with the policy's check_finite): run()
+  /// then skips the K scan before scoring, rescans K only when a flag is set (to name the element:
+  /// the same error) and scans the heads it did not score. The built-in key norm and
+  /// window-attention scorers (window_scorer) say true; a user's scorer_impl keeps the scan.
+  static constexpr bool detects_nonfinite_keys = false;
 };
+
+namespace detail {
+/// scorer_impl Impl's detects_nonfinite_keys (false when Impl does not declare it).
+template <class Impl, class = void>
+struct impl_detects_nonfinite_keys : std::false_type {};
+template <class Impl>
+struct impl_detects_nonfinite_keys<Impl, std::void_t<decltype(Impl::detects_nonfinite_keys)>>
+    : std::integral_constant<bool, Impl::detects_nonfinite_keys> {};
+}  // namespace detail
 
 /// CPU implementation of a temporal smoother: weights(p, w, c) writes the w row weights c_j.
 /// Served for every smoother with KVEVICT_HOST_DEVICE static double weight(params, j, w)

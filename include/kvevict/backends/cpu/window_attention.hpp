@@ -108,10 +108,16 @@ struct row_stats {
 /// the view may be invalidated by the next call) and `float at(n, c)`: key_tiles over a
 /// row_source (the scorers: K is staged one tile of attention_key_tile keys at a time, never as a
 /// whole) or matrix_keys over an fp32 matrix.
+/// nonfinite_inputs (optional): set to true when a row's fp64 recompute meets a non-finite dot
+/// product, which finite queries and keys never give (a product of two finite floats stays
+/// below 1.2e77 in fp64): a NaN or inf key among the row's visible keys, or a NaN or inf query.
+/// A non-finite key makes every logit of its column non-finite (x NaN = NaN, x inf = inf or NaN
+/// when x = 0), so a row that sees every key checks all of K at no cost while the logits stay
+/// finite. The rows are computed as without it.
 template <class Keys>
 inline void attention_block(const cmap_rm& q, const Keys& k, std::int64_t L, std::int64_t w, std::int64_t j0,
                             std::int64_t rph, float scale, float* logits, float* probs, const row_stats& st,
-                            bool normalize = true) {
+                            bool normalize = true, bool* nonfinite_inputs = nullptr) {
   const std::int64_t rb = q.rows();
   const float ninf = -std::numeric_limits<float>::infinity();
   // Logits in tiles of attention_key_tile keys: scale * (q k_t^T) is one GEMM with alpha = scale
@@ -150,7 +156,13 @@ inline void attention_block(const cmap_rm& q, const Keys& k, std::int64_t L, std
         return acc * scale;
       };
       double dmx = -std::numeric_limits<double>::infinity();
-      for (std::int64_t n = 0; n < vis; ++n) dmx = std::max(dmx, dot(n));
+      bool finite = true;
+      for (std::int64_t n = 0; n < vis; ++n) {
+        const double x = dot(n);
+        finite = finite && finite_bits(x);
+        dmx = std::max(dmx, x);
+      }
+      if (!finite && nonfinite_inputs) *nonfinite_inputs = true;
       for (std::int64_t n = 0; n < vis; ++n) {
         const double rel = dot(n) - dmx;
         l[n] = rel < -3.0e38 ? -3.0e38f : static_cast<float>(rel);
@@ -189,8 +201,8 @@ inline void attention_block(const cmap_rm& q, const Keys& k, std::int64_t L, std
 /// attention_block over an fp32 matrix of keys (tests and benchmarks).
 inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, std::int64_t w, std::int64_t j0,
                             std::int64_t rph, float scale, float* logits, float* probs, const row_stats& st,
-                            bool normalize = true) {
-  attention_block(q, matrix_keys{k}, L, w, j0, rph, scale, logits, probs, st, normalize);
+                            bool normalize = true, bool* nonfinite_inputs = nullptr) {
+  attention_block(q, matrix_keys{k}, L, w, j0, rph, scale, logits, probs, st, normalize, nonfinite_inputs);
 }
 
 /// Order-preserving key of a float: a < b  <=>  sortable_key(a) < sortable_key(b) for non-NaN

@@ -2,7 +2,7 @@
 // CPU implementation of scorers::key_norm (Devoto et al. 2024): s[n] = -||k_n||, fp64 sum of
 // squares, the same row for every query head of the group. Query-free; no drift. A non-finite
 // sum (a NaN or inf key) sets head_scratch::nonfinite_keys: run() then reports the element as the
-// K scan would (scorers::key_norm::detects_nonfinite_keys), with one pass over K instead of two.
+// K scan would (detects_nonfinite_keys below), with one pass over K instead of two.
 #pragma once
 
 #include <algorithm>
@@ -18,13 +18,10 @@ namespace cpu {
 
 template <>
 struct scorer_impl<scorers::key_norm> : scorer_impl_base {
-  /// x is finite, tested on its exponent bits (as the K scan's row_finite): std::isfinite may be
-  /// folded to true under -ffinite-math-only / -ffast-math in a user's translation unit.
-  static bool finite_bits(double x) {
-    std::uint64_t u;
-    std::memcpy(&u, &x, sizeof u);
-    return (u & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
-  }
+  /// Its own pass over K finds a non-finite key (a row's fp64 sum of squares is finite exactly
+  /// when every element is: a finite float squared stays below 1.2e77), so run() does not scan K
+  /// before scoring (scorer_impl_base::detects_nonfinite_keys); the check_finite error is the same.
+  static constexpr bool detects_nonfinite_keys = true;
   /// K by tiles, no queries, no window attention (no logits block).
   static constexpr bool full_kv() { return false; }
   static constexpr bool all_queries() { return false; }

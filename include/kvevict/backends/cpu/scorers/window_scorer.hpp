@@ -83,6 +83,10 @@ struct window_hooks {
 /// See the file comment. Hooks: the scorer's implementation (derives from window_hooks).
 template <class Hooks>
 struct window_scorer : scorer_impl_base {
+  /// The newest window row sees every valid key, and a NaN or inf key makes its logit non-finite
+  /// (attention_block's nonfinite_inputs): with check_finite, a head whose keys are not all finite
+  /// sets head_scratch::nonfinite_keys and stops (its rows zero), and run() names the element.
+  static constexpr bool detects_nonfinite_keys = true;
   /// K and V by tiles; queries one block at a time.
   static constexpr bool full_kv() { return false; }
   static constexpr bool all_queries() { return false; }
@@ -129,8 +133,16 @@ struct window_scorer : scorer_impl_base {
       // path only needs the weights: the softmax runs in place over the logits and leaves them
       // unnormalised, fl(e * inv_z) = the probability is folded into the consumers below.
       float* const pbase = before ? s.probs : s.logits;
+      bool nonfinite = false;
       attention_block(stage_group_queries(in, b, h, G, w, j0, rb, s.qbuf), c.keys, L, w, j0, rb, c.scale, s.logits, pbase,
-                      row_stats{s.st_max, s.st_zo, s.st_arg, s.st_inv}, before);
+                      row_stats{s.st_max, s.st_zo, s.st_arg, s.st_inv}, before, &nonfinite);
+      if (nonfinite && P.check_finite) {  // a NaN or inf key (the queries were checked): run() reports it
+        s.nonfinite_keys = true;
+        std::fill(rows, rows + G * L, 0.0f);
+        if (rows2) std::fill(rows2, rows2 + G * L, 0.0f);
+        std::fill(drift, drift + G, 0.0);
+        return;
+      }
       if (want_drift)
         for (std::int64_t r = 0; r < rb; ++r) ++(j0 + r < w / 2 ? n_front : n_rear);
 
