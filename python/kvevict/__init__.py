@@ -83,11 +83,17 @@ def _api(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # Binding is checked only when the call raises TypeError (Signature.bind costs about as much
+        # as a small select() call): a call that cannot bind raises before the body runs, so
+        # nothing of fn ran then; a TypeError from inside the body is passed on as it is.
         try:
-            sig.bind(*args, **kwargs)
-        except TypeError as e:
-            raise ArgumentError(f"kvevict: {fn.__qualname__.replace('.__init__', '')}: {e}") from None
-        return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+        except TypeError:
+            try:
+                sig.bind(*args, **kwargs)
+            except TypeError as e:
+                raise ArgumentError(f"kvevict: {fn.__qualname__.replace('.__init__', '')}: {e}") from None
+            raise
 
     return wrapper  # type: ignore[return-value]
 
@@ -95,6 +101,8 @@ def _api(fn: _F) -> _F:
 def _as_int(v: Any) -> Optional[int]:
     """v as a Python int when it is an integer scalar (int, numpy integer, 0-d integer tensor), else None.
     bool is not an integer here."""
+    if type(v) is int:  # the common case, without the ABC checks below
+        return v
     if isinstance(v, (bool, np.bool_)):
         return None
     if isinstance(v, numbers.Integral):
@@ -106,6 +114,8 @@ def _as_int(v: Any) -> Optional[int]:
 
 def _as_float(v: Any) -> Optional[float]:
     """v as a Python float when it is a real, non-integer scalar (float, numpy floating, 0-d float tensor)."""
+    if type(v) is float:
+        return v
     if isinstance(v, numbers.Real) and not isinstance(v, (numbers.Integral, np.bool_)):
         return float(v)
     if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():

@@ -806,7 +806,11 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
       }
     }
   }
-  cpu::detail::parallel_for_threads(nt, rows, [&](std::int64_t r, int tid) {
+  // Rows without scores (StreamingLLM, heads kept whole) write their kept slots in O(kept): on
+  // the calling thread, where waking a team would cost more than the rows (tens of microseconds
+  // with OMP_WAIT_POLICY=passive). The result does not depend on the threads.
+  const int select_threads = (Scorer::has_scores && any_scoring) ? nt : 1;
+  cpu::detail::parallel_for_threads(select_threads, rows, [&](std::int64_t r, int tid) {
     const std::int64_t b = r / H, hk = (r % H) / Gout;
     std::int32_t* dst = out.indices + buf.offsets[r];
     const float* sc = (Scorer::has_scores && buf.need[r]) ? buf.scores + r * S : nullptr;
