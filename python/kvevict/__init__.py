@@ -239,10 +239,10 @@ class Selection:
 def _check_tensor(name: str, t: Any, dtypes: Tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise Error(f"kvevict: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type == "cuda" and not _C.cuda:
+    if t.is_cuda and not _C.cuda:  # (is_cuda / is_cpu: no device object per call)
         raise Error(f"kvevict: {name} is on device '{t.device}', but this kvevict module was built without the CUDA "
                     "backend (pass CPU tensors)")
-    if t.device.type not in ("cpu", "cuda"):
+    if not (t.is_cpu or t.is_cuda):
         raise Error(f"kvevict: {name} is on device '{t.device}'; kvevict reads CPU or CUDA tensors")
     if t.layout != torch.strided:
         raise Error(f"kvevict: {name} has layout {t.layout}; kvevict reads strided (dense) tensors")
@@ -252,7 +252,7 @@ def _check_tensor(name: str, t: Any, dtypes: Tuple[torch.dtype, ...], ndim: int)
         raise Error(f"kvevict: {name} has {t.dim()} dimensions {tuple(t.shape)}; kvevict needs {ndim}")
     if t.is_conj() or t.is_neg():
         raise Error(f"kvevict: {name} is a lazy conjugate/negative view; call .resolve_conj()/.resolve_neg() first")
-    return t.detach()
+    return t.detach() if t.requires_grad else t  # (DLPack refuses tensors that require grad)
 
 
 def _layout_view(name: str, t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -410,18 +410,20 @@ class Evictor:
         v = None if values is None else _layout_view("values", _check_tensor("values", values, _FLOAT_DTYPES, 4), layout)
         w = None if wo is None else _check_tensor("wo", wo, _FLOAT_DTYPES, 2)
         wf = None if wo_factor is None else _check_tensor("wo_factor", wo_factor, (torch.float32,), 3)
-        stream = torch.cuda.current_stream(k.device).cuda_stream if k.device.type == "cuda" else 0
+        stream = torch.cuda.current_stream(k.device).cuda_stream if k.is_cuda else 0
         try:
             indptr, indices, pos_out, scores, batch, heads = self._impl.select(
                 _dl(q), _dl(k), _dl(v), _dl(ln), _dl(pos), _dl(w), _dl(wf), keep_tokens, keep_fraction,
-                int(layer_idx), int(num_layers), bool(return_scores), int(num_threads), stream)
+                layer_idx, num_layers, return_scores, num_threads, stream)
         except Error as e:
             raise Error(_with_hint(str(e), self.method)) from None
-        dev = k.device
-        move = (lambda t: t.to(dev)) if dev.type != "cpu" else (lambda t: t)
-        return Selection(indptr=move(torch.from_numpy(indptr)), indices=move(torch.from_numpy(indices)),
-                         positions=move(torch.from_numpy(pos_out)), batch=int(batch), heads=int(heads),
-                         scores=None if scores is None else move(torch.from_numpy(scores)))
+        indptr, indices, pos_out = torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(pos_out)
+        scores = None if scores is None else torch.from_numpy(scores)
+        if k.is_cuda:
+            dev = k.device
+            indptr, indices, pos_out = indptr.to(dev), indices.to(dev), pos_out.to(dev)
+            scores = None if scores is None else scores.to(dev)
+        return Selection(indptr=indptr, indices=indices, positions=pos_out, batch=batch, heads=heads, scores=scores)
 
 
 # What to pass, in Python terms, when the library says an input is missing.

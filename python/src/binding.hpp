@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -70,12 +71,35 @@ struct select_args {
   std::uintptr_t stream = 0;  ///< CUDA: the cudaStream_t to run on (the tensors' current stream)
 };
 
+/// std::allocator whose value-initialisation (resize(n), vector(n)) leaves elements
+/// uninitialised: the result buffers that run() writes in full are not zero-filled first (for a
+/// position-only method the fill cost as much as the selection).
+template <class T>
+struct uninit_allocator : std::allocator<T> {
+  using std::allocator<T>::allocator;
+  template <class U>
+  struct rebind {
+    using other = uninit_allocator<U>;
+  };
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+
+/// An int32 result buffer (see uninit_allocator): resize() leaves it for the evictor to write.
+using index_buffer = std::vector<std::int32_t, uninit_allocator<std::int32_t>>;
+
 /// The selection (CSR over rows b * out_heads + h) and, on request, the final scores.
 struct select_result {
   std::int64_t batch = 0, out_heads = 0, seq = 0;
-  std::vector<std::int32_t> indptr;     ///< rows + 1
-  std::vector<std::int32_t> indices;    ///< kept slots, ascending per row
-  std::vector<std::int32_t> positions;  ///< logical positions of the kept slots
+  index_buffer indptr;                  ///< rows + 1
+  index_buffer indices;                 ///< kept slots, ascending per row
+  index_buffer positions;               ///< logical positions of the kept slots
   std::vector<float> scores;            ///< (batch, out_heads, seq) when want_scores
 };
 

@@ -65,9 +65,9 @@ class evictor_impl final : public evictor_base<Policy, kvevict::cpu::backend> {
     r.batch = in.batch();
     r.out_heads = pl.out_heads;
     r.seq = in.capacity();
-    r.indptr.assign(static_cast<std::size_t>(pl.rows + 1), 0);
-    r.indices.assign(static_cast<std::size_t>(std::max<std::int64_t>(pl.max_selected, 1)), 0);
-    r.positions.assign(r.indices.size(), 0);
+    r.indptr.resize(static_cast<std::size_t>(pl.rows + 1));  // written in full by run() (uninit_allocator: no fill)
+    r.indices.resize(static_cast<std::size_t>(std::max<std::int64_t>(pl.max_selected, 1)));  // [0, indptr[rows]) written
+    r.positions.resize(r.indices.size());
     if (a.want_scores) r.scores.assign(static_cast<std::size_t>(r.batch * r.out_heads * r.seq), 0.0f);
     kvevict::selection_view sel{r.indptr.data(), r.indices.data(), r.positions.data(), static_cast<std::int64_t>(r.indices.size())};
     const status st = ev_.run(pl, in, sel, ws_.data(), ws_.size(), a.want_scores ? r.scores.data() : nullptr);

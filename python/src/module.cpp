@@ -118,10 +118,10 @@ tensor_arg take(py::handle obj, const char* name, dlpack_scope& scope) {
   return t;
 }
 
-template <class T>
-py::array_t<T> to_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
-  auto* held = new std::vector<T>(std::move(v));
-  py::capsule owner(held, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+template <class T, class A>
+py::array_t<T> to_numpy(std::vector<T, A>&& v, std::vector<py::ssize_t> shape) {
+  auto* held = new std::vector<T, A>(std::move(v));
+  py::capsule owner(held, [](void* p) { delete static_cast<std::vector<T, A>*>(p); });
   return py::array_t<T>(shape, held->data(), owner);
 }
 

@@ -534,7 +534,7 @@ TEST_CASE_TEMPLATE("the NaN scan's memory-order pass finds a NaN in every valid 
       };
       each_valid(in.keys, st.kbuf, kv_rows, "keys");
       each_valid(in.queries, st.qbuf, q_rows, "queries");
-      for (std::int32_t L : sc.lens) expected += 3 * (L + G * static_cast<int>(std::min<std::int64_t>(W, L)));  // K, then Q
+      for (std::int32_t L : sc.lens) expected += 3 * (L + static_cast<int>(G * std::min<std::int64_t>(W, L)));  // K, then Q
     }
   }
   CHECK(cases == expected);
@@ -1099,4 +1099,100 @@ TEST_CASE("plan / run: parameters changed through a reference held across plan()
     REQUIRE(a.st.ok());
     CHECK(a.indices == b.indices);
   }
+}
+
+TEST_CASE("gemm_nt_few_rows (the BLAS build's products of <= 8 rows, TOVA's) against fp64 loops; a NaN or inf key "
+          "makes its whole column non-finite") {
+  // include/kvevict/backends/cpu/gemm.hpp: compiled in every build (the BLAS build calls it), so
+  // the default build tests it too. Every m in [1, few_rows_max], k with and without a tail of
+  // the 16 partial sums, leading dimensions wider than the rows.
+  std::uint64_t state = 99;
+  auto uniform = [&]() {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(static_cast<double>(state >> 40) / static_cast<double>(1ull << 24)) * 2.0f - 1.0f;
+  };
+  int checked = 0;
+  for (std::int64_t m = 1; m <= kv::cpu::detail::few_rows_max; ++m)
+    for (std::int64_t k : {1, 3, 16, 17, 64, 128, 131})
+      for (std::int64_t n : {1, 5, 40}) {
+        const std::int64_t lda = k + 3, ldb = k + 1, ldc = n + 2;
+        std::vector<float> a(static_cast<std::size_t>(m * lda)), b(static_cast<std::size_t>(n * ldb)), c(static_cast<std::size_t>(m * ldc), -7.0f);
+        for (float& x : a) x = uniform();
+        for (float& x : b) x = uniform();
+        const float alpha = 0.125f;
+        kv::cpu::detail::gemm_nt_few_rows(alpha, a.data(), lda, b.data(), ldb, m, n, k, c.data(), ldc);
+        for (std::int64_t i = 0; i < m; ++i) {
+          for (std::int64_t j = 0; j < n; ++j) {
+            double ref = 0.0, mag = 0.0;
+            for (std::int64_t t = 0; t < k; ++t) {
+              ref += static_cast<double>(a[static_cast<std::size_t>(i * lda + t)]) * b[static_cast<std::size_t>(j * ldb + t)];
+              mag += std::abs(static_cast<double>(a[static_cast<std::size_t>(i * lda + t)]) * b[static_cast<std::size_t>(j * ldb + t)]);
+            }
+            ref *= alpha;
+            CHECK(std::abs(c[static_cast<std::size_t>(i * ldc + j)] - ref) <= 1e-5 * alpha * mag + 1e-30);  // fp32 sums of <= 40 terms
+            ++checked;
+          }
+          for (std::int64_t j = n; j < ldc; ++j) CHECK(c[static_cast<std::size_t>(i * ldc + j)] == -7.0f);  // past n: untouched
+        }
+        // a NaN, +inf or -inf anywhere in key j (a = 0 there included: 0 x inf = NaN): column j is
+        // non-finite in every row, the other columns are finite
+        const std::int64_t j = n / 2, t = (k * 2) / 3;
+        for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()}) {
+          std::vector<float> bb = b, aa = a;
+          bb[static_cast<std::size_t>(j * ldb + t)] = bad;
+          aa[static_cast<std::size_t>(t)] = 0.0f;  // row 0 multiplies it by zero
+          kv::cpu::detail::gemm_nt_few_rows(alpha, aa.data(), lda, bb.data(), ldb, m, n, k, c.data(), ldc);
+          for (std::int64_t i = 0; i < m; ++i)
+            for (std::int64_t jj = 0; jj < n; ++jj)
+              CHECK(std::isfinite(c[static_cast<std::size_t>(i * ldc + jj)]) == (jj != j));
+        }
+      }
+  CHECK(checked == 36 * 7 * 46);
+}
+
+TEST_CASE("topk_slots (select_head's top-k) keeps exactly the set nth_element by score_before keeps: ties, NaN, -0/+0, inf") {
+  // include/kvevict/backends/cpu/select.hpp: the radix select against the comparison select it
+  // replaced (nth_element by score_before, then a sort of the k slots), on rows with many equal
+  // scores, NaNs of both signs, -0 and +0, +-inf, subnormals, and an offset first candidate c0.
+  std::uint64_t state = 5;
+  auto next = [&]() {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return state >> 33;
+  };
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(), 0.0f, -0.0f,
+                            std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min(), 1.0f, -1.0f};
+  int rows = 0;
+  for (int kind = 0; kind < 4; ++kind)
+    for (std::int64_t m : {2, 3, 17, 300, 5000}) {
+      const std::int64_t c0 = m % 7;
+      std::vector<float> s(static_cast<std::size_t>(c0 + m));
+      for (float& x : s) {
+        const std::uint64_t u = next();
+        if (kind == 0) x = static_cast<float>(u % 1000) / 7.0f - 50.0f;             // spread
+        else if (kind == 1) x = static_cast<float>(u % 5);                          // many ties
+        else if (kind == 2) x = specials[u % 10];                                   // specials only
+        else x = (u % 4 == 0) ? specials[u % 10] : static_cast<float>(u % 97) * 1e-3f;  // mixed
+      }
+      for (std::int64_t k : {std::int64_t{1}, m / 3, m / 2, m - 1}) {
+        if (k < 1 || k >= m) continue;
+        std::vector<std::int32_t> ref(static_cast<std::size_t>(m)), got(static_cast<std::size_t>(k), -1);
+        for (std::int64_t i = 0; i < m; ++i) ref[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(c0 + i);
+        std::nth_element(ref.begin(), ref.begin() + (k - 1), ref.end(), [&](std::int32_t a, std::int32_t b) {
+          return kv::cpu::detail::score_before(s[static_cast<std::size_t>(a)], a, s[static_cast<std::size_t>(b)], b);
+        });
+        ref.resize(static_cast<std::size_t>(k));
+        std::sort(ref.begin(), ref.end());
+        std::vector<std::uint32_t> scratch(static_cast<std::size_t>(m));
+        const std::int64_t n = kv::cpu::detail::topk_slots(s.data(), c0, m, k, got.data(), scratch.data());
+        CAPTURE(kind);
+        CAPTURE(m);
+        CAPTURE(k);
+        CHECK(n == k);
+        CHECK(got == ref);
+        ++rows;
+      }
+    }
+  CHECK(rows == 4 * (3 + 4 + 4 + 4 + 4));  // m = 2 and 3 repeat k = 1
 }
