@@ -239,10 +239,10 @@ class Selection:
 def _check_tensor(name: str, t: Any, dtypes: Tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise Error(f"kvevict: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_cuda and not _C.cuda:  # (is_cuda / is_cpu: no device object per call)
+    if t.is_cuda and not _C.cuda:
         raise Error(f"kvevict: {name} is on device '{t.device}', but this kvevict module was built without the CUDA "
                     "backend (pass CPU tensors)")
-    if not (t.is_cpu or t.is_cuda):
+    if not t.is_cuda and t.device.type != "cpu":
         raise Error(f"kvevict: {name} is on device '{t.device}'; kvevict reads CPU or CUDA tensors")
     if t.layout != torch.strided:
         raise Error(f"kvevict: {name} has layout {t.layout}; kvevict reads strided (dense) tensors")
@@ -260,8 +260,11 @@ def _layout_view(name: str, t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.permute(0, 2, 1, 3) if layout == "NHD" else t
 
 
+_to_dlpack = torch.utils.dlpack.to_dlpack
+
+
 def _dl(t: Optional[torch.Tensor]):
-    return None if t is None else torch.utils.dlpack.to_dlpack(t)
+    return None if t is None else _to_dlpack(t)
 
 
 def _check_layout(layout: Optional[str]) -> Optional[str]:
@@ -412,9 +415,11 @@ class Evictor:
         wf = None if wo_factor is None else _check_tensor("wo_factor", wo_factor, (torch.float32,), 3)
         stream = torch.cuda.current_stream(k.device).cuda_stream if k.is_cuda else 0
         try:
+            dl = _to_dlpack
             indptr, indices, pos_out, scores, batch, heads = self._impl.select(
-                _dl(q), _dl(k), _dl(v), _dl(ln), _dl(pos), _dl(w), _dl(wf), keep_tokens, keep_fraction,
-                layer_idx, num_layers, return_scores, num_threads, stream)
+                None if q is None else dl(q), dl(k), None if v is None else dl(v), None if ln is None else dl(ln),
+                None if pos is None else dl(pos), None if w is None else dl(w), None if wf is None else dl(wf),
+                keep_tokens, keep_fraction, layer_idx, num_layers, return_scores, num_threads, stream)
         except Error as e:
             raise Error(_with_hint(str(e), self.method)) from None
         indptr, indices, pos_out = torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(pos_out)

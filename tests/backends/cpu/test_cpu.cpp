@@ -608,7 +608,7 @@ void check_fused_key_scan(int* cases, int* whole, const typename Policy::params&
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("scorers that check K in their own pass (key norm, SnapKV, TOVA, ReST-KV): the same error as the K scan, "
+TEST_CASE_TEMPLATE("scorers that check K in their own pass (key norm, SnapKV, TOVA, ReST-KV, H2O, CriticalKV): the same error as the K scan, "
                    "scored heads and heads kept whole, nothing written; StreamingLLM reads no key", T, float, bfloat16_t) {
   // cpu::scorer_impl<S>::detects_nonfinite_keys: run() skips the K scan before scoring; a
   // non-finite key (key norm: a non-finite sum of squares; the window-attention scorers: a
@@ -621,8 +621,10 @@ TEST_CASE_TEMPLATE("scorers that check K in their own pass (key norm, SnapKV, TO
   tova.gqa = kv::gqa_reduction::mean;  // ragged lengths (layer_mean needs equal ones)
   check_fused_key_scan<kv::presets::tova, T>(&cases, &whole, tova);
   check_fused_key_scan<kv::presets::restkv, T>(&cases, &whole);
-  CHECK(cases == 4 * 2 * 3 * (5 + 11 + 0 + 9 + 2 + 11));
-  CHECK(whole == 4 * 2 * 3 * (5 + 2));
+  check_fused_key_scan<kv::presets::h2o, T>(&cases, &whole);
+  check_fused_key_scan<kv::presets::criticalkv, T>(&cases, &whole);
+  CHECK(cases == 6 * 2 * 3 * (5 + 11 + 0 + 9 + 2 + 11));
+  CHECK(whole == 6 * 2 * 3 * (5 + 2));
 }
 
 TEST_CASE("NaN/inf outside the valid region (padding) is never read; check_finite = false skips the scan") {
@@ -1129,7 +1131,7 @@ TEST_CASE("gemm_nt_few_rows (the BLAS build's products of <= 8 rows, TOVA's) aga
               mag += std::abs(static_cast<double>(a[static_cast<std::size_t>(i * lda + t)]) * b[static_cast<std::size_t>(j * ldb + t)]);
             }
             ref *= alpha;
-            CHECK(std::abs(c[static_cast<std::size_t>(i * ldc + j)] - ref) <= 1e-5 * alpha * mag + 1e-30);  // fp32 sums of <= 40 terms
+            CHECK(std::abs(c[static_cast<std::size_t>(i * ldc + j)] - ref) <= 1e-5 * alpha * mag + 1e-30);  // fp32: 16 partial sums of <= 9 terms, then <= 19 adds
             ++checked;
           }
           for (std::int64_t j = n; j < ldc; ++j) CHECK(c[static_cast<std::size_t>(i * ldc + j)] == -7.0f);  // past n: untouched
@@ -1177,7 +1179,7 @@ TEST_CASE("topk_slots (select_head's top-k) keeps exactly the set nth_element by
       }
       for (std::int64_t k : {std::int64_t{1}, m / 3, m / 2, m - 1}) {
         if (k < 1 || k >= m) continue;
-        std::vector<std::int32_t> ref(static_cast<std::size_t>(m)), got(static_cast<std::size_t>(k), -1);
+        std::vector<std::int32_t> ref(static_cast<std::size_t>(m)), got(static_cast<std::size_t>(k + 4), -1);
         for (std::int64_t i = 0; i < m; ++i) ref[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(c0 + i);
         std::nth_element(ref.begin(), ref.begin() + (k - 1), ref.end(), [&](std::int32_t a, std::int32_t b) {
           return kv::cpu::detail::score_before(s[static_cast<std::size_t>(a)], a, s[static_cast<std::size_t>(b)], b);
@@ -1190,6 +1192,8 @@ TEST_CASE("topk_slots (select_head's top-k) keeps exactly the set nth_element by
         CAPTURE(m);
         CAPTURE(k);
         CHECK(n == k);
+        for (std::int64_t i = k; i < k + 4; ++i) CHECK(got[static_cast<std::size_t>(i)] == -1);  // nothing past k
+        got.resize(static_cast<std::size_t>(k));
         CHECK(got == ref);
         ++rows;
       }

@@ -375,11 +375,12 @@ TEST_CASE("paged: the scorers that check K in their own pass name a NaN key as t
   int cases = 0, whole = 0;
   std::uint64_t seed = 11;
   for (auto pool : {kvtest::pool_layout::nhd, kvtest::pool_layout::hnd})
-    for (bool per_head : {false, true}) {
+    for (int table = 0; table < 3; ++table) {  // per sequence, per head, per sequence with rows starting inside a page
+      const bool per_head = table == 1;
       CAPTURE(kvtest::to_string(pool));
-      CAPTURE(per_head);
+      CAPTURE(table);
       kvtest::paged_copy<float> pg;
-      kvtest::make_paged(st.in, 4, pool, per_head, false, seed++, pg, false);
+      kvtest::make_paged(st.in, 4, pool, per_head, false, seed++, pg, false, 3, false, table == 2 ? 1 : 0);
       REQUIRE(kvtest::run_lib(kn, pg.in, budget).st.ok());
       REQUIRE(kvtest::run_lib(snap, pg.in, budget).st.ok());
       const auto& k = pg.in.keys;
@@ -407,8 +408,8 @@ TEST_CASE("paged: the scorers that check K in their own pass name a NaN key as t
             }
         }
     }
-  CHECK(cases == 4 * 3 * (5 + 13 + 0 + 9 + 1 + 9));
-  CHECK(whole == 4 * 3 * (5 + 1));
+  CHECK(cases == 6 * 3 * (5 + 13 + 0 + 9 + 1 + 9));
+  CHECK(whole == 6 * 3 * (5 + 1));
 }
 
 TEST_CASE("paged: rows that start inside their first page (pages.start_offset) equal the contiguous view, every preset") {

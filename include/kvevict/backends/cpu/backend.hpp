@@ -215,6 +215,34 @@ inline bool finite_bits(double x) {
   return (u & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
 }
 
+/// True when the n elements at p (unit stride) are all finite. One branch-free pass: each
+/// element's exponent field is tested for all ones (inf or NaN) on its bits and the flags are
+/// ORed, a loop the compiler vectorises (an early-exit loop over is_finite_value is not, and
+/// converts every 16-bit element to float). The scans below take a row through this and walk it
+/// element by element only when it fails, to name the first bad element.
+template <class T>
+inline bool row_finite(const T* p, std::int64_t n) {
+  using U = std::remove_const_t<T>;
+  if constexpr (std::is_same<U, float>::value) {
+    std::uint32_t bad = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::uint32_t u;
+      std::memcpy(&u, p + i, sizeof u);
+      bad |= static_cast<std::uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+    }
+    return bad == 0;
+  } else if constexpr (std::is_same<U, bfloat16_t>::value || std::is_same<U, half_t>::value) {
+    constexpr unsigned e = std::is_same<U, bfloat16_t>::value ? 0x7f80u : 0x7c00u;  // exponent field
+    unsigned bad = 0;
+    for (std::int64_t i = 0; i < n; ++i) bad |= static_cast<unsigned>((p[i].bits & e) == e);
+    return bad == 0;
+  } else {
+    for (std::int64_t i = 0; i < n; ++i)
+      if (!is_finite_value(p[i])) return false;
+    return true;
+  }
+}
+
 /// Saturate to the finite float range (NaN -> 0: callers guarantee NaN cannot arise).
 inline float saturate(double x) {
   if (!(x == x)) return 0.0f;

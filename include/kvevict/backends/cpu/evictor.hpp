@@ -32,33 +32,6 @@ namespace kvevict {
 namespace cpu {
 namespace detail {
 
-/// True when the n elements at p (unit stride) are all finite. One branch-free pass: each
-/// element's exponent field is tested for all ones (inf or NaN) on its bits and the flags are
-/// ORed, a loop the compiler vectorises (an early-exit loop over is_finite_value is not, and
-/// converts every 16-bit element to float). The scans below take a row through this and walk it
-/// element by element only when it fails, to name the first bad element.
-template <class T>
-inline bool row_finite(const T* p, std::int64_t n) {
-  using U = std::remove_const_t<T>;
-  if constexpr (std::is_same<U, float>::value) {
-    std::uint32_t bad = 0;
-    for (std::int64_t i = 0; i < n; ++i) {
-      std::uint32_t u;
-      std::memcpy(&u, p + i, sizeof u);
-      bad |= static_cast<std::uint32_t>((u & 0x7f800000u) == 0x7f800000u);
-    }
-    return bad == 0;
-  } else if constexpr (std::is_same<U, bfloat16_t>::value || std::is_same<U, half_t>::value) {
-    constexpr unsigned e = std::is_same<U, bfloat16_t>::value ? 0x7f80u : 0x7c00u;  // exponent field
-    unsigned bad = 0;
-    for (std::int64_t i = 0; i < n; ++i) bad |= static_cast<unsigned>((p[i].bits & e) == e);
-    return bad == 0;
-  } else {
-    for (std::int64_t i = 0; i < n; ++i)
-      if (!is_finite_value(p[i])) return false;
-    return true;
-  }
-}
 
 /// Whether the valid region of a (batch, heads, seq, dim) view holds a NaN or inf. Slot-major when
 /// a slot's heads lie closer together than a head's slots (NHD: each token's heads side by side,
@@ -658,9 +631,14 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
     buf.nt = nt;
     // 1. plans, the budgets that need no scores, the "needs scoring" flags (front-end rules;
     // sharded, the whole-layer allocation waits for every rank's plans)
-    for (std::int64_t b = 0; b < B; ++b)
-      KVEVICT_TRY(FE::sequence_budgets(in, p_, budget, b, H, len, buf.plans + b * H, buf.budgets + b * H, buf.need + b * H,
-                                       buf.layer, ex != nullptr));
+    for (std::int64_t b = 0; b < B; ++b) {
+      const status s = FE::sequence_budgets(in, p_, budget, b, H, len, buf.plans + b * H, buf.budgets + b * H, buf.need + b * H,
+                                            buf.layer, ex != nullptr);
+      if (!s.ok()) {  // K left to the scorer: a non-finite key is still reported first, as by the scan before
+        if (p_.check_finite && keys_checked_by_scorer(in, ex != nullptr)) KVEVICT_TRY(check_finite(in));
+        return s;
+      }
+    }
     return {};
   }();
   if (ex) {
@@ -806,10 +784,11 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
       }
     }
   }
-  // Rows without scores (StreamingLLM, heads kept whole) write their kept slots in O(kept): on
-  // the calling thread, where waking a team would cost more than the rows (tens of microseconds
-  // with OMP_WAIT_POLICY=passive). The result does not depend on the threads.
-  const int select_threads = (Scorer::has_scores && any_scoring) ? nt : 1;
+  // Rows without scores (StreamingLLM, heads kept whole) write their kept slots in O(kept): up
+  // to 64k slots in all on the calling thread, where waking a team would cost more than the
+  // rows (tens of microseconds with OMP_WAIT_POLICY=passive). The result does not depend on the
+  // threads.
+  const int select_threads = ((Scorer::has_scores && any_scoring) || total > (std::int64_t{1} << 16)) ? nt : 1;
   cpu::detail::parallel_for_threads(select_threads, rows, [&](std::int64_t r, int tid) {
     const std::int64_t b = r / H, hk = (r % H) / Gout;
     std::int32_t* dst = out.indices + buf.offsets[r];

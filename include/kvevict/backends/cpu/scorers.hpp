@@ -27,6 +27,9 @@ namespace detail {
 /// Scores of one (sequence, KV head) by cpu::scorer_impl<Scorer>: `rows` G x L primary scores,
 /// `drift` G adaptive-window statistics, and for scorers with secondary_scores `rows2` G x L
 /// secondary scores (else unused). Temporal must be the policy's temporal smoother.
+/// Inputs are the caller's to check: a scorer with detects_nonfinite_keys (key norm, the window
+/// scorers) that meets a NaN or inf key with the policy's check_finite sets s.nonfinite_keys
+/// (and a window scorer returns zero rows); run() reads that flag and reports the element.
 template <class Scorer, class Temporal, class Policy, class T>
 void score_kv_head(const head_job<Policy, T>& job, head_scratch& s, float* rows /* G x L */, double* drift /* G */,
                    float* rows2 = nullptr /* G x L */) {

@@ -123,11 +123,11 @@ inline void attention_block(const cmap_rm& q, const Keys& k, std::int64_t L, std
   // Logits in tiles of attention_key_tile keys: scale * (q k_t^T) is one GEMM with alpha = scale
   // (Eigen folds the scalar into the product; (q k^T) * scale would be evaluated into a
   // temporary and copied). While a tile is in cache, each row's running maximum is updated and
-  // its finiteness checked: x - x == 0 exactly when x is finite, so the vectorised sum of x - x
-  // over the row's visible keys is 0 exactly when every one of its logits is finite.
+  // its finiteness checked on the logits' exponent bits (row_finite: one vectorised pass, which
+  // a user's -ffast-math cannot fold away; the key check below relies on it).
   for (std::int64_t r = 0; r < rb; ++r) {
     st.max_logit[r] = ninf;
-    st.z_other[r] = 0.0;  // finiteness sum, until the softmax below
+    st.z_other[r] = 0.0;  // 1 once a visible logit is not finite, until the softmax below
   }
   for (std::int64_t n0 = 0; n0 < L; n0 += attention_key_tile) {
     const std::int64_t nt = std::min(attention_key_tile, L - n0);
@@ -138,7 +138,7 @@ inline void attention_block(const cmap_rm& q, const Keys& k, std::int64_t L, std
       const std::int64_t m = std::min(nt, vis - n0);
       if (m <= 0) continue;
       const Eigen::Map<const Eigen::ArrayXf> la(logits + r * L + n0, m);
-      st.z_other[r] += static_cast<double>((la - la).sum());
+      if (!row_finite(logits + r * L + n0, m)) st.z_other[r] = 1.0;  // on the bits: -ffast-math cannot fold it
       st.max_logit[r] = std::max(st.max_logit[r], la.maxCoeff());
     }
   }
