@@ -726,7 +726,7 @@ TEST_CASE("topk_mean_index (radix select) equals a full sort: ties, signed zeros
       }
     }
     const float f = trial % 3 == 0 ? 1.0f : static_cast<float>(g.uniform(1e-3, 2.0));
-    std::vector<float> vals(p.size() + 1);
+    std::vector<std::uint32_t> vals(p.size() + 1);
     const double got = kv::cpu::detail::topk_mean_index(p.data(), n, K, vals.data(), f);
     const double want = topk_mean_index_by_sort(p, K, f);
     if (got != want) {

@@ -243,6 +243,53 @@ inline bool row_finite(const T* p, std::int64_t n) {
   }
 }
 
+/// Order key of a float (a score or a weight): a > b <=> score_key(a) > score_key(b) for
+/// numbers, one key for -0 and +0 (they compare equal), and 0, below every number (-inf's key is
+/// 0x007fffff), for every NaN: the order of cpu::detail::score_before. On the bits, so a user's
+/// -ffast-math cannot fold it.
+inline std::uint32_t score_key(float x) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const std::uint32_t mag = u & 0x7fffffffu;
+  if (mag > 0x7f800000u) return 0u;  // NaN
+  if (mag == 0u) u = 0u;             // -0 -> +0
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/// The K-th largest t of n order keys key(i) (1 <= K <= n) and the count of keys above it.
+struct kth_key {
+  std::uint32_t t;
+  std::int64_t above;
+};
+
+/// kth_key of the keys key(i), i < n, by radix select: a histogram of their top 11 bits finds
+/// the bucket of the K-th largest; only that bucket's keys (compacted into scratch, room for n)
+/// go through nth_element. Two passes over the keys instead of an nth_element over all of them
+/// (the top-k selection, select.hpp topk_slots, and the adaptive window's top-K mean index,
+/// window_attention.hpp topk_mean_index).
+template <class KeyOf>
+inline kth_key kth_largest_key(std::int64_t n, std::int64_t K, KeyOf key, std::uint32_t* scratch) {
+  constexpr int bits = 11, shift = 32 - bits;
+  std::uint32_t hist[1u << bits] = {};
+  for (std::int64_t i = 0; i < n; ++i) ++hist[key(i) >> shift];
+  // Highest bucket bk such that the buckets above it hold fewer than K keys (the counts sum to
+  // n >= K, so the walk stops at bucket 0 at the latest); it holds hist[bk] >= K - above >= 1.
+  std::int64_t above = 0;
+  std::uint32_t bk = (1u << bits) - 1;
+  while (above + static_cast<std::int64_t>(hist[bk]) < K) above += hist[bk--];
+  std::int64_t nb = 0;
+  for (std::int64_t i = 0; i < n; ++i) {  // the bucket's keys, compacted without branches
+    const std::uint32_t k = key(i);
+    scratch[nb] = k;
+    nb += (k >> shift) == bk;
+  }
+  const std::int64_t r = K - above;  // rank (1-based) of t among the bucket's keys, 1 <= r <= nb
+  std::nth_element(scratch, scratch + (r - 1), scratch + nb, [](std::uint32_t a, std::uint32_t b) { return a > b; });
+  const std::uint32_t t = scratch[r - 1];
+  for (std::int64_t j = 0; j < nb; ++j) above += scratch[j] > t;
+  return {t, above};
+}
+
 /// Saturate to the finite float range (NaN -> 0: callers guarantee NaN cannot arise).
 inline float saturate(double x) {
   if (!(x == x)) return 0.0f;

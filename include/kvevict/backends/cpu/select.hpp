@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "kvevict/core/apportion.hpp"
@@ -24,50 +23,21 @@ inline bool score_before(float sa, std::int32_t a, float sb, std::int32_t b) {
   return a < b;
 }
 
-/// Order key of a score under score_before: a > b (as scores) <=> score_key(a) > score_key(b),
-/// equal keys for equal scores (-0 and +0 alike) and 0, below every number (-inf's key is
-/// 0x007fffff), for every NaN. On the bits, so -ffast-math in a user's unit cannot fold it.
-inline std::uint32_t score_key(float x) {
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  const std::uint32_t mag = u & 0x7fffffffu;
-  if (mag > 0x7f800000u) return 0u;  // NaN
-  if (mag == 0u) u = 0u;             // -0 -> +0
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 /// The k best of the m scores s[c0 + i] (i < m) under score_before (higher first, NaN last, ties
 /// to the lower slot), written as slots c0 + i in ascending order to out; returns k (0 < k < m).
 /// The set is unique (score_before is a total order), so this is exactly what an nth_element
 /// by score_before followed by a sort of the first k gives, without comparisons through the
-/// slots: a histogram of the top 11 bits of score_key finds the bucket of the k-th best key t;
-/// that bucket's keys (typically a few % of m) go through nth_element to find t; one pass in
-/// slot order then writes the slots above t and the lowest slots equal to t. Three passes over
-/// the m scores instead of an nth_element through the slots (about 5x faster at m = 32k: issue
-/// 37's key-norm and TOVA rows spent 40 % of their time there). scratch: m uint32.
+/// slots: kth_largest_key (backend.hpp) finds the k-th best score_key t; one pass in slot order
+/// then writes the slots above t and the lowest slots equal to t (about 5x faster than the
+/// nth_element at m = 32k: issue 37's key-norm and TOVA rows spent 40 % of their time there).
+/// scratch: m uint32.
 inline std::int64_t topk_slots(const float* s, std::int64_t c0, std::int64_t m, std::int64_t k, std::int32_t* out,
                                std::uint32_t* scratch) {
-  constexpr int bits = 11, shift = 32 - bits;
-  std::uint32_t hist[1u << bits] = {};
-  for (std::int64_t i = 0; i < m; ++i) ++hist[score_key(s[c0 + i]) >> shift];
-  std::int64_t above = 0;  // keys in buckets above bk
-  std::uint32_t bk = (1u << bits) - 1;
-  while (above + static_cast<std::int64_t>(hist[bk]) < k) above += hist[bk--];
-  std::int64_t nb = 0;
-  for (std::int64_t i = 0; i < m; ++i) {  // the bucket's keys, compacted without branches
-    const std::uint32_t key = score_key(s[c0 + i]);
-    scratch[nb] = key;
-    nb += (key >> shift) == bk;
-  }
-  const std::int64_t r = k - above;  // rank (1-based) of t among the bucket's keys, 1 <= r <= nb
-  std::nth_element(scratch, scratch + (r - 1), scratch + nb, [](std::uint32_t a, std::uint32_t b) { return a > b; });
-  const std::uint32_t t = scratch[r - 1];
-  std::int64_t gt = above;  // keys above t: the buckets above bk and the bucket's keys above t
-  for (std::int64_t j = 0; j < nb; ++j) gt += scratch[j] > t;
-  std::int64_t n = 0, ties = k - gt;  // the slots above t, and the ties lowest first (out holds k: no write past it)
+  const kth_key kk = kth_largest_key(m, k, [s, c0](std::int64_t i) { return score_key(s[c0 + i]); }, scratch);
+  std::int64_t n = 0, ties = k - kk.above;  // the slots above t, and the ties lowest first (out holds k: no write past it)
   for (std::int64_t i = 0; i < m; ++i) {
     const std::uint32_t key = score_key(s[c0 + i]);
-    if (key > t || (key == t && ties-- > 0)) out[n++] = static_cast<std::int32_t>(c0 + i);
+    if (key > kk.t || (key == kk.t && ties-- > 0)) out[n++] = static_cast<std::int32_t>(c0 + i);
   }
   return n;
 }

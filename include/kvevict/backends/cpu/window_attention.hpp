@@ -205,58 +205,25 @@ inline void attention_block(const cmap_rm& q, const cmap_rm& k, std::int64_t L, 
   attention_block(q, matrix_keys{k}, L, w, j0, rph, scale, logits, probs, st, normalize, nonfinite_inputs);
 }
 
-/// Order-preserving key of a float: a < b  <=>  sortable_key(a) < sortable_key(b) for non-NaN
-/// values, with -0 and +0 the same key (as they compare equal).
-inline std::uint32_t sortable_key(float x) {
-  x += 0.0f;  // -0 -> +0
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 /// Mean index of the top-K entries (value desc, index asc) of x[0, n), x[i] = fl(p[i] * f).
 /// p must hold no NaN (softmax weights; f = 1 for probabilities, f = row_stats::inv_z for
-/// unnormalised weights, which ranks exactly the probabilities). vals: n floats of scratch.
-/// Radix select: a histogram of the top 11 bits of sortable_key(x) finds the bucket that holds
-/// the K-th largest value t; only that bucket's values (typically a few % of n) go through
-/// nth_element; then one pass sums the indices above t (in int64: exact) and the lowest-index
-/// entries equal to t. Three branch-free passes over x instead of an nth_element over all of it;
-/// the result is the same as sorting (tests/backends/cpu compares it with a full sort).
-inline double topk_mean_index(const float* p, std::int64_t n, std::int64_t K, float* vals, float f = 1.0f) {
+/// unnormalised weights, which ranks exactly the probabilities). vals: n uint32 of scratch.
+/// kth_largest_key (backend.hpp) finds the K-th largest value t by its score_key (the order of
+/// the values, -0 = +0); one pass then sums the indices above t (in int64: exact) and the
+/// lowest-index entries equal to t. The result is the same as sorting (tests/backends/cpu
+/// compares it with a full sort).
+inline double topk_mean_index(const float* p, std::int64_t n, std::int64_t K, std::uint32_t* vals, float f = 1.0f) {
   if (n <= 0) return 0.0;
   if (K > n) K = n;
   if (K < 1) K = 1;
   if (K == n) return static_cast<double>(n - 1) / 2.0;
-  constexpr int bits = 11, shift = 32 - bits;
-  std::uint32_t hist[1u << bits] = {};
-  for (std::int64_t i = 0; i < n; ++i) ++hist[sortable_key(p[i] * f) >> shift];
-  // Highest bucket bk such that the buckets above it hold fewer than K entries (the counts sum
-  // to n >= K, so the walk stops at bucket 0 at the latest); it holds hist[bk] >= K - above >= 1.
-  std::int64_t above = 0;
-  std::uint32_t bk = (1u << bits) - 1;
-  while (above + static_cast<std::int64_t>(hist[bk]) < K) above += hist[bk--];
-  std::int64_t m = 0;
-  for (std::int64_t i = 0; i < n; ++i) {  // the bucket's values, compacted without branches
-    const float x = p[i] * f;
-    vals[m] = x;
-    m += (sortable_key(x) >> shift) == bk;
-  }
-  const std::int64_t r = K - above;  // rank (1-based) of t among the bucket's values
-  std::nth_element(vals, vals + (r - 1), vals + m, [](float a, float b) { return a > b; });
-  const float t = vals[r - 1];
-  std::int64_t isum = 0, gt = 0;
+  const kth_key kk = kth_largest_key(n, K, [p, f](std::int64_t i) { return score_key(p[i] * f); }, vals);
+  std::int64_t isum = 0, ties = K - kk.above;
   for (std::int64_t i = 0; i < n; ++i) {
-    const bool g = p[i] * f > t;
-    isum += g ? i : 0;
-    gt += g;
+    const std::uint32_t key = score_key(p[i] * f);
+    if (key > kk.t || (key == kk.t && ties-- > 0)) isum += i;
   }
-  double s = static_cast<double>(isum);
-  for (std::int64_t i = 0, need = K - gt; i < n && need > 0; ++i)
-    if (p[i] * f == t) {
-      s += static_cast<double>(i);
-      --need;
-    }
-  return s / static_cast<double>(K);
+  return static_cast<double>(isum) / static_cast<double>(K);
 }
 
 }  // namespace detail

@@ -107,7 +107,7 @@ struct head_scratch {
                            // [0, rb) for one head's logits and [rb, 2 rb) for its weights
   float* probs = nullptr;  // "before" mode: G rb x L probabilities (else empty)
   float* cross = nullptr;  // rb x L ("before" mode only: one head's cross products)
-  float* rowtmp = nullptr; // cap (adaptive-window drift: one attention row's top-K)
+  std::uint32_t* rowtmp = nullptr; // cap (adaptive-window drift: one attention row's top-K keys)
   float* st_max = nullptr;      // G rb (row statistics of one block, attention_block)
   double* st_zo = nullptr;      // G rb
   std::int32_t* st_arg = nullptr;  // G rb
@@ -172,7 +172,7 @@ struct head_scratch {
     logits = c.template carve<float>(lg);
     probs = c.template carve<float>(full_y ? g1 * rowsL : 0);  // "before": the group's probabilities
     cross = c.template carve<float>(full_y ? rowsL : 0);       // "before" mode only
-    rowtmp = c.template carve<float>(o.drift_row ? n : 0);
+    rowtmp = c.template carve<std::uint32_t>(o.drift_row ? n : 0);
     const std::size_t ws = static_cast<std::size_t>(std::max<std::int64_t>(w, 1));
     const std::size_t sb = g1 * static_cast<std::size_t>(std::max<std::int64_t>(rmax, 1));
     st_max = c.template carve<float>(sb);
