@@ -166,6 +166,8 @@ def _params(params: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _int_arg(name: str, v: Any, lo: int, hi: int) -> int:
+    if type(v) is int and lo <= v <= hi:  # the common case, without _as_int's checks
+        return v
     i = _as_int(v)
     if i is None:
         raise Error(f"kvevict: {name} must be an int, got {v!r}")
@@ -239,20 +241,24 @@ class Selection:
 def _check_tensor(name: str, t: Any, dtypes: Tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise Error(f"kvevict: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_cuda and not _C.cuda:
-        raise Error(f"kvevict: {name} is on device '{t.device}', but this kvevict module was built without the CUDA "
-                    "backend (pass CPU tensors)")
-    if not t.is_cuda and t.device.type != "cpu":
-        raise Error(f"kvevict: {name} is on device '{t.device}'; kvevict reads CPU or CUDA tensors")
-    if t.layout != torch.strided:
+    if not t.is_cpu:  # (is_cpu and is_cuda are flags; t.device builds an object)
+        if not t.is_cuda:
+            raise Error(f"kvevict: {name} is on device '{t.device}'; kvevict reads CPU or CUDA tensors")
+        if not _C.cuda:
+            raise Error(f"kvevict: {name} is on device '{t.device}', but this kvevict module was built without the CUDA "
+                        "backend (pass CPU tensors)")
+    if t.layout is not _STRIDED:
         raise Error(f"kvevict: {name} has layout {t.layout}; kvevict reads strided (dense) tensors")
     if t.dtype not in dtypes:
         raise Error(f"kvevict: {name}.dtype = {t.dtype}; kvevict needs one of {', '.join(str(d) for d in dtypes)}")
     if t.dim() != ndim:
         raise Error(f"kvevict: {name} has {t.dim()} dimensions {tuple(t.shape)}; kvevict needs {ndim}")
-    if t.is_conj() or t.is_neg():
+    if t.is_neg() or t.is_conj():
         raise Error(f"kvevict: {name} is a lazy conjugate/negative view; call .resolve_conj()/.resolve_neg() first")
     return t.detach() if t.requires_grad else t  # (DLPack refuses tensors that require grad)
+
+
+_STRIDED = torch.strided
 
 
 def _layout_view(name: str, t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -320,6 +326,8 @@ def _budget(budget: Any, compression_ratio: Any = None, name: str = "budget") ->
             raise Error(f"kvevict: compression_ratio = {compression_ratio!r} must be a float in [0, 1) (the fraction of each "
                         "head's tokens removed, as in kvpress)")
         return 0, 1.0 - cr
+    if type(budget) is int and 1 <= budget <= 2**31 - 1:  # the common case, without the checks below
+        return budget, 0.0
     if budget is None:
         raise ArgumentError(f"kvevict: {name} is required (an int: tokens per head; a float in (0, 1]: keep fraction), "
                             "or compression_ratio= (the fraction removed)")
@@ -413,7 +421,8 @@ class Evictor:
         v = None if values is None else _layout_view("values", _check_tensor("values", values, _FLOAT_DTYPES, 4), layout)
         w = None if wo is None else _check_tensor("wo", wo, _FLOAT_DTYPES, 2)
         wf = None if wo_factor is None else _check_tensor("wo_factor", wo_factor, (torch.float32,), 3)
-        stream = torch.cuda.current_stream(k.device).cuda_stream if k.is_cuda else 0
+        on_cuda = k.is_cuda
+        stream = torch.cuda.current_stream(k.device).cuda_stream if on_cuda else 0
         try:
             dl = _to_dlpack
             indptr, indices, pos_out, scores, batch, heads = self._impl.select(
@@ -424,7 +433,7 @@ class Evictor:
             raise Error(_with_hint(str(e), self.method)) from None
         indptr, indices, pos_out = torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(pos_out)
         scores = None if scores is None else torch.from_numpy(scores)
-        if k.is_cuda:
+        if on_cuda:
             dev = k.device
             indptr, indices, pos_out = indptr.to(dev), indices.to(dev), pos_out.to(dev)
             scores = None if scores is None else scores.to(dev)

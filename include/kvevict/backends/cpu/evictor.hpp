@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -372,7 +373,9 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       return s;
     }
     typename kvevict::detail::layer_scratch_of<Budgeter>::type layer;  ///< whole-layer budgeter's scratch
-    cpu::detail::head_scratch scratch[cpu::detail::max_scratch_threads];
+    /// nt per-thread scratch descriptors, in the workspace (an array of max_scratch_threads here
+    /// made every run zero and copy 45 KB, a third of a small call's time)
+    cpu::detail::head_scratch* scratch;
   };
 
   /// lazy_secondary: the secondary row of out row ho of sequence b (L tokens), tokens [t0, t1), into
@@ -413,7 +416,11 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     buf.need = c.template carve<std::uint8_t>(static_cast<std::size_t>(rows));
     buf.drift = c.template carve<double>(static_cast<std::size_t>(rows));
     buf.layer = kvevict::detail::layer_scratch_of<Budgeter>::carve(c, p_.budgeter);
+    buf.scratch = c.template carve<cpu::detail::head_scratch>(static_cast<std::size_t>(nt));
+    if (buf.scratch) std::uninitialized_default_construct_n(buf.scratch, nt);  // (null while counting bytes)
     if constexpr (Scorer::has_scores) {
+      cpu::detail::head_scratch counting;  // what the descriptors carve while counting bytes
+      auto scratch_of = [&](std::int64_t t) -> cpu::detail::head_scratch& { return buf.scratch ? buf.scratch[t] : counting; };
       buf.scores = c.template carve<float>(static_cast<std::size_t>(rows * S));
       if constexpr (lazy_secondary) {
         // one row per sequence (layer_mean) and its fp64 sum; the per-row rows are per thread below
@@ -442,10 +449,10 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       so.all_queries = cpu::scorer_impl<Scorer>::all_queries();
       so.rows_max = cpu::scorer_impl<Scorer>::block_rows_max(in.window());
       so.drift_row = Spatial::needs_attention_drift;
-      for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve(c, S, in.window(), in.head_dim(), Gq, so);
+      for (std::int64_t t = 0; t < nt_heads; ++t) scratch_of(t).carve(c, S, in.window(), in.head_dim(), Gq, so);
       if constexpr (cpu::scorer_impl<Scorer>::hidden_projection && !lazy_secondary) {
         const std::int64_t C = in.wo.data ? in.wo.extent[0] : 0;
-        for (std::int64_t t = 0; t < nt_heads; ++t) buf.scratch[t].carve_projection(c, C, in.head_dim());
+        for (std::int64_t t = 0; t < nt_heads; ++t) scratch_of(t).carve_projection(c, C, in.head_dim());
       }
       const std::size_t scoring_end = c.mark();
       c.rewind(start);
