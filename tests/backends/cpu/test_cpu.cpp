@@ -1153,7 +1153,7 @@ TEST_CASE("gemm_nt_few_rows (the BLAS build's products of <= 8 rows, TOVA's) aga
   CHECK(checked == 36 * 7 * 46);
 }
 
-TEST_CASE("topk_slots (select_head's top-k) keeps exactly the set nth_element by score_before keeps: ties, NaN, -0/+0, inf") {
+TEST_CASE("topk_slots (select_head's top-k) keeps exactly the set nth_element by score_before keeps: ties, NaN, -0/+0, inf, crowded buckets") {
   // include/kvevict/backends/cpu/select.hpp: the radix select against the comparison select it
   // replaced (nth_element by score_before, then a sort of the k slots), on rows with many equal
   // scores, NaNs of both signs, -0 and +0, +-inf, subnormals, and an offset first candidate c0.
@@ -1166,7 +1166,7 @@ TEST_CASE("topk_slots (select_head's top-k) keeps exactly the set nth_element by
                             std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
                             std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min(), 1.0f, -1.0f};
   int rows = 0;
-  for (int kind = 0; kind < 4; ++kind)
+  for (int kind = 0; kind < 6; ++kind)
     for (std::int64_t m : {2, 3, 17, 300, 5000}) {
       const std::int64_t c0 = m % 7;
       std::vector<float> s(static_cast<std::size_t>(c0 + m));
@@ -1175,7 +1175,10 @@ TEST_CASE("topk_slots (select_head's top-k) keeps exactly the set nth_element by
         if (kind == 0) x = static_cast<float>(u % 1000) / 7.0f - 50.0f;             // spread
         else if (kind == 1) x = static_cast<float>(u % 5);                          // many ties
         else if (kind == 2) x = specials[u % 10];                                   // specials only
-        else x = (u % 4 == 0) ? specials[u % 10] : static_cast<float>(u % 97) * 1e-3f;  // mixed
+        else if (kind == 3) x = (u % 4 == 0) ? specials[u % 10] : static_cast<float>(u % 97) * 1e-3f;  // mixed
+        // key norms: one sign and exponent, so a few top-bit buckets (the second radix level)
+        else if (kind == 4) x = -(8.0f + static_cast<float>(u % 60000) * 1e-4f);
+        else x = std::nextafter(2.5f, static_cast<float>(u % 2) * 9.0f) + static_cast<float>(u % 3) * 2.4e-7f;  // ulps apart (third)
       }
       for (std::int64_t k : {std::int64_t{1}, m / 3, m / 2, m - 1}) {
         if (k < 1 || k >= m) continue;
@@ -1198,5 +1201,5 @@ TEST_CASE("topk_slots (select_head's top-k) keeps exactly the set nth_element by
         ++rows;
       }
     }
-  CHECK(rows == 4 * (3 + 4 + 4 + 4 + 4));  // m = 2 and 3 repeat k = 1
+  CHECK(rows == 6 * (3 + 4 + 4 + 4 + 4));  // m = 2 and 3 repeat k = 1
 }

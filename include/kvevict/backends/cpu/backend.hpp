@@ -263,25 +263,51 @@ struct kth_key {
 };
 
 /// kth_key of the keys key(i), i < n, by radix select: a histogram of their top 11 bits finds
-/// the bucket of the K-th largest; only that bucket's keys (compacted into scratch, room for n)
-/// go through nth_element. Two passes over the keys instead of an nth_element over all of them
-/// (the top-k selection, select.hpp topk_slots, and the adaptive window's top-K mean index,
-/// window_attention.hpp topk_mean_index).
+/// the bucket of the K-th largest, and only that bucket's keys (compacted into scratch, room for
+/// n) go on. Scores that share their top bits (key norms: one sign, one exponent) fill a few
+/// buckets, so while the bucket holds more than radix_select_small keys the next 11 bits (then
+/// the last 10) split it the same way, in scratch. An nth_element over the last bucket gives
+/// the key. Two passes over the keys, and passes over ever smaller buckets, instead of an
+/// nth_element over all of them (the top-k selection, select.hpp topk_slots, and the adaptive
+/// window's top-K mean index, window_attention.hpp topk_mean_index).
+inline constexpr std::int64_t radix_select_small = 512;
+
 template <class KeyOf>
 inline kth_key kth_largest_key(std::int64_t n, std::int64_t K, KeyOf key, std::uint32_t* scratch) {
-  constexpr int bits = 11, shift = 32 - bits;
-  std::uint32_t hist[1u << bits] = {};
-  for (std::int64_t i = 0; i < n; ++i) ++hist[key(i) >> shift];
-  // Highest bucket bk such that the buckets above it hold fewer than K keys (the counts sum to
-  // n >= K, so the walk stops at bucket 0 at the latest); it holds hist[bk] >= K - above >= 1.
+  constexpr int bits = 11;
+  std::uint32_t hist[1u << bits];
+  // Highest bucket bk such that the buckets above it hold fewer than K - above keys (the counts
+  // sum to the keys' number >= K - above, so the walk stops at bucket 0 at the latest); it holds
+  // hist[bk] >= K - above >= 1 keys.
   std::int64_t above = 0;
-  std::uint32_t bk = (1u << bits) - 1;
-  while (above + static_cast<std::int64_t>(hist[bk]) < K) above += hist[bk--];
+  auto find_bucket = [&](std::uint32_t top) {
+    std::uint32_t bk = top;
+    while (above + static_cast<std::int64_t>(hist[bk]) < K) above += hist[bk--];
+    return bk;
+  };
+  std::fill(hist, hist + (1u << bits), 0u);
+  for (std::int64_t i = 0; i < n; ++i) ++hist[key(i) >> (32 - bits)];
+  std::uint32_t bk = find_bucket((1u << bits) - 1);
   std::int64_t nb = 0;
   for (std::int64_t i = 0; i < n; ++i) {  // the bucket's keys, compacted without branches
     const std::uint32_t k = key(i);
     scratch[nb] = k;
-    nb += (k >> shift) == bk;
+    nb += (k >> (32 - bits)) == bk;
+  }
+  // The bucket's keys share their top 11 bits; split by bits [10, 21), then [0, 10).
+  for (int level = 1; level < 3 && nb > radix_select_small; ++level) {
+    const int shift = level == 1 ? 10 : 0;
+    const std::uint32_t mask = level == 1 ? (1u << bits) - 1 : (1u << 10) - 1;
+    std::fill(hist, hist + mask + 1, 0u);
+    for (std::int64_t j = 0; j < nb; ++j) ++hist[(scratch[j] >> shift) & mask];
+    bk = find_bucket(mask);
+    std::int64_t m = 0;
+    for (std::int64_t j = 0; j < nb; ++j) {  // in place: m <= j
+      const std::uint32_t k = scratch[j];
+      scratch[m] = k;
+      m += ((k >> shift) & mask) == bk;
+    }
+    nb = m;
   }
   const std::int64_t r = K - above;  // rank (1-based) of t among the bucket's keys, 1 <= r <= nb
   std::nth_element(scratch, scratch + (r - 1), scratch + nb, [](std::uint32_t a, std::uint32_t b) { return a > b; });
