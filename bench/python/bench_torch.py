@@ -31,7 +31,13 @@ Columns: torch ms and kvevict ms (wall per call, medians), kvevict's C++ time (i
 the rest is the binding's argument checks and result tensors), speedup = torch / kvevict.
 A call shorter than 1 ms (StreamingLLM's few microseconds, where a single timing is mostly
 timer and scheduler noise) is timed as a batch of calls that lasts about 1 ms, the same batch
-size for both sides, and reported per call (``calls`` in the JSON rows).
+size for both sides, and reported per call (``calls`` in the JSON rows). Each timed side starts
+after ``--settle`` seconds idle (0.2): OpenBLAS's pthread workers spin for about 0.1 s after a
+call (OPENBLAS_THREAD_TIMEOUT), and took the second core from a 2-thread kvevict call that ran
+right after torch (measured: a 1-thread kvevict call used 2 cores' CPU time). A side whose call
+takes under 50 ms is then called once, untimed, right before each of its timings, so that it
+starts with its own threads awake (on this machine a team that slept 0.2 s can take longer to
+wake than a whole TOVA call).
 
     PYTHONPATH=<build>/python python3 bench/python/bench_torch.py [--seqs 4096,16384,32768]
         [--dtypes fp32,bf16] [--threads 1,2] [--methods snapkv,restkv,...] [--reps 5] [--json out.json]
@@ -183,6 +189,7 @@ def main() -> int:
     ap.add_argument("--methods", default="snapkv,restkv,tova,key_norm,streaming_llm,h2o")
     ap.add_argument("--h2o-max-seq", type=int, default=4096, help="skip h2o above this L (O(L^2))")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--settle", type=float, default=0.2, help="seconds idle before each timed side")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     seqs = [int(x) for x in a.seqs.split(",")]
@@ -239,12 +246,19 @@ def main() -> int:
                     ev.select(**kw)
                     shortest = min(t1 - t0, time.perf_counter() - t1)
                     calls = 1 if shortest >= 1e-3 else min(10000, int(1e-3 / max(shortest, 1e-7)) + 1)
+                    warm = shortest < 0.05
                     tt, tk, tc = [], [], []
                     for _ in range(a.reps):
+                        time.sleep(a.settle)
+                        if warm:
+                            tfn(q, k, v, R, L)
                         t0 = time.perf_counter()
                         for _ in range(calls):
                             tfn(q, k, v, R, L)
                         tt.append((time.perf_counter() - t0) / calls)
+                        time.sleep(a.settle)
+                        if warm:
+                            ev.select(**kw)
                         c0 = ev.stats()["cpp_seconds"]
                         t0 = time.perf_counter()
                         for _ in range(calls):

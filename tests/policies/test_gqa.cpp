@@ -72,7 +72,7 @@ TEST_CASE("presets::adakv_published: the authors' settings; per query head on GQ
     r.lens.clear();
     for (std::int64_t b = 0; b < s.batch; ++b)
       for (std::int64_t hq = 0; hq < s.q_heads(); ++hq) {
-        r.lens.push_back(p.length(b, hq / s.group));
+        r.lens.push_back(static_cast<int>(p.length(b, hq / s.group)));
         for (std::int64_t n = 0; n < s.cap; ++n)
           for (std::int64_t c = 0; c < s.d; ++c) {
             r.K[r.kv_idx(b, hq, n, c)] = p.K[p.kv_idx(b, hq / s.group, n, c)];
