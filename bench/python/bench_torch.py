@@ -30,14 +30,14 @@ reference code does (``.float()``), and computes in fp32 like kvevict.
 Columns: torch ms and kvevict ms (wall per call, medians), kvevict's C++ time (inside the call;
 the rest is the binding's argument checks and result tensors), speedup = torch / kvevict.
 A call shorter than 1 ms (StreamingLLM's few microseconds, where a single timing is mostly
-timer and scheduler noise) is timed as a batch of calls that lasts about 1 ms, the same batch
-size for both sides, and reported per call (``calls`` in the JSON rows). Each timed side starts
-after ``--settle`` seconds idle (0.2): OpenBLAS's pthread workers spin for about 0.1 s after a
-call (OPENBLAS_THREAD_TIMEOUT), and took the second core from a 2-thread kvevict call that ran
-right after torch (measured: a 1-thread kvevict call used 2 cores' CPU time). A side whose call
-takes under 50 ms is then called once, untimed, right before each of its timings, so that it
-starts with its own threads awake (on this machine a team that slept 0.2 s can take longer to
-wake than a whole TOVA call).
+timer and scheduler noise) is timed as a batch of calls, the same batch size for both sides,
+doubled until it lasts at least 1 ms for the faster side, and reported per call (``calls`` in
+the JSON rows). Each timed side starts after ``--settle`` seconds idle (0.2): OpenBLAS's
+pthread workers spin for about 0.1 s after a call (OPENBLAS_THREAD_TIMEOUT), and took the second
+core from a 2-thread kvevict call that ran right after torch (measured: a 1-thread kvevict call
+used 2 cores' CPU time). A side whose own call takes under 50 ms is then called once, untimed,
+right before each of its timings, so that it starts with its own threads awake (on this machine
+a team that slept 0.2 s can take longer to wake than a whole TOVA call).
 
     PYTHONPATH=<build>/python python3 bench/python/bench_torch.py [--seqs 4096,16384,32768]
         [--dtypes fp32,bf16] [--threads 1,2] [--methods snapkv,restkv,...] [--reps 5] [--json out.json]
@@ -239,25 +239,31 @@ def main() -> int:
                     ref = tfn(q, k, v, R, L)
                     sel = ev.select(**kw)
                     same = same_sets(ref, sel.padded()[0])
-                    # calls per timing: one, or a batch of about 1 ms for the shorter of the two sides
-                    t0 = time.perf_counter()
-                    tfn(q, k, v, R, L)
-                    t1 = time.perf_counter()
-                    ev.select(**kw)
-                    shortest = min(t1 - t0, time.perf_counter() - t1)
-                    calls = 1 if shortest >= 1e-3 else min(10000, int(1e-3 / max(shortest, 1e-7)) + 1)
-                    warm = shortest < 0.05
+                    # Calls per timing: one, or a batch that lasts at least 1 ms for the faster side
+                    # (doubled until it does, warm); the same batch size for both sides.
+                    def seconds(f, n):
+                        t0 = time.perf_counter()
+                        for _ in range(n):
+                            f()
+                        return time.perf_counter() - t0
+                    run_t, run_k = (lambda: tfn(q, k, v, R, L)), (lambda: ev.select(**kw))
+                    t_t, t_k = seconds(run_t, 1), seconds(run_k, 1)
+                    calls = 1
+                    if min(t_t, t_k) < 1e-3:
+                        while min(seconds(run_t, calls), seconds(run_k, calls)) < 1e-3 and calls < 100000:
+                            calls *= 2
+                    warm_t, warm_k = t_t < 0.05, t_k < 0.05  # each side's own call time
                     tt, tk, tc = [], [], []
                     for _ in range(a.reps):
                         time.sleep(a.settle)
-                        if warm:
+                        if warm_t:
                             tfn(q, k, v, R, L)
                         t0 = time.perf_counter()
                         for _ in range(calls):
                             tfn(q, k, v, R, L)
                         tt.append((time.perf_counter() - t0) / calls)
                         time.sleep(a.settle)
-                        if warm:
+                        if warm_k:
                             ev.select(**kw)
                         c0 = ev.stats()["cpp_seconds"]
                         t0 = time.perf_counter()
@@ -274,7 +280,7 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(torch=torch.__version__, blas=blas, kvevict=kvevict.__version__, build=kvevict.build_info(),
-                           rows=rows), f, indent=1)
+                           reps=a.reps, settle=a.settle, rows=rows), f, indent=1)
     return 0
 
 

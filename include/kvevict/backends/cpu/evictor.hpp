@@ -374,7 +374,7 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     }
     typename kvevict::detail::layer_scratch_of<Budgeter>::type layer;  ///< whole-layer budgeter's scratch
     /// nt per-thread scratch descriptors, in the workspace (an array of max_scratch_threads here
-    /// made every run zero and copy 45 KB, a third of a small call's time)
+    /// made every run zero and copy 40 KB, three times: half of a small call's time in C++)
     cpu::detail::head_scratch* scratch;
   };
 
