@@ -1,6 +1,7 @@
 // Shared by the engine's report programs (examples/fidelity: kvevict_fidelity, kvevict_decoding;
 // examples/engine: kvevict_lkv_modes): the text folder, command-line helpers, the excerpt rule (starts
-// spread evenly over the text, each moved to the next paragraph start) and the fp64 log-softmax the KL
+// spread evenly over the text, each moved to the next paragraph start; make_excerpts leaves out windows
+// such as LKV's training contexts) and the fp64 log-softmax the KL
 // figures are computed from.
 #pragma once
 
@@ -9,10 +10,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kvevict_engine {
@@ -69,6 +73,107 @@ inline result make_prompts(const tokenizer& tok, const std::string& text, int n,
         if (cont) cont->emplace_back(t.begin() + tokens, t.begin() + tokens + cont_tokens);
         t.resize(size_t(tokens));
         out.push_back(std::move(t));
+    }
+    return result::success();
+}
+
+/// FNV-1a (64 bits) of a byte string: the fingerprint an excluded-windows file gives its text
+/// (tools/lkv/train_windows.py computes the same).
+inline std::uint64_t fnv1a64(const std::string& s) {
+    std::uint64_t h = 0xcbf29ce484222325ull;
+    for (unsigned char ch : s) h = (h ^ ch) * 0x100000001b3ull;
+    return h;
+}
+
+/// Byte windows [first, second) of one text that excerpts must not overlap: LKV's training contexts
+/// (artifacts/lkv/train_windows.txt, written by tools/lkv/train_windows.py).
+struct excluded_windows {
+    std::vector<std::pair<size_t, size_t>> windows;  ///< empty when the file is about another text
+    std::string text_name;                           ///< the text the file describes
+};
+
+/// Reads an excluded-windows file: '#' comments, one line "text NAME bytes N fnv1a64 HEX", then "start end"
+/// lines. The windows apply only when `text` has exactly that size and fingerprint (another text, e.g. the
+/// King James Bible, gets none). Errors: unreadable file, a malformed line, a window outside the text.
+inline result read_excluded_windows(const std::string& path, const std::string& text, excluded_windows& out) {
+    out = excluded_windows{};
+    std::ifstream f(path);
+    if (!f) return result::failure("cannot read the excluded-windows file " + path);
+    std::string line, name, w_bytes, w_hash;
+    unsigned long long bytes = 0, hash = 0;
+    bool header = false, same = false;
+    int no = 0;
+    while (std::getline(f, line)) {
+        ++no;
+        if (line.empty() || line[0] == '#') continue;
+        std::istringstream is(line);
+        if (!header) {
+            std::string t;
+            if (!(is >> t >> name >> w_bytes >> bytes >> w_hash >> std::hex >> hash) || t != "text" || w_bytes != "bytes" || w_hash != "fnv1a64")
+                return result::failure(path + ":" + std::to_string(no) + ": expected 'text NAME bytes N fnv1a64 HEX'");
+            header = true;
+            out.text_name = name;
+            same = bytes == text.size() && hash == fnv1a64(text);
+            continue;
+        }
+        unsigned long long a = 0, b = 0;
+        if (!(is >> a >> b) || a >= b || b > bytes) return result::failure(path + ":" + std::to_string(no) + ": expected 'start end' with start < end <= " + std::to_string(bytes));
+        if (same) out.windows.emplace_back(size_t(a), size_t(b));
+    }
+    if (!header) return result::failure(path + ": no 'text' line");
+    return result::success();
+}
+
+/// The report's excerpts with windows left out: `n` non-overlapping excerpts of `tokens` tokens (BOS first;
+/// plus `cont_tokens` of real continuation into `cont` when given). Candidates follow make_prompts' rule
+/// (starts spread evenly over the text, each moved to the next paragraph start; each reads
+/// 3 * (tokens + cont_tokens) + 64 bytes) for nc = n, n + 1, ... candidates; a candidate whose byte window
+/// overlaps an excluded window or an earlier candidate is dropped. At the first nc that leaves at least n,
+/// the n excerpts are taken evenly from what is left (index (2j + 1) * R / (2n) of R), so with nothing
+/// excluded they are exactly make_prompts' excerpts. `left_out`: candidates of that nc dropped for an
+/// excluded window; `starts`: the excerpts' byte offsets. Errors: too short a text, no nc up to 16 n.
+inline result make_excerpts(const tokenizer& tok, const std::string& text, int n, int tokens, const std::vector<std::pair<size_t, size_t>>& excluded,
+                            std::vector<std::vector<int>>& out, int cont_tokens, std::vector<std::vector<int>>* cont, int& left_out,
+                            std::vector<size_t>& starts) {
+    out.clear();
+    if (cont) cont->clear();
+    starts.clear();
+    left_out = 0;
+    const size_t chars = size_t(tokens + cont_tokens) * 3 + 64;  // as make_prompts
+    if (text.size() < chars * 2) return result::failure("text too short for excerpts");
+    std::vector<size_t> kept;
+    for (int nc = n; nc <= 16 * n && int(kept.size()) < n; ++nc) {
+        kept.clear();
+        left_out = 0;
+        for (int i = 0; i < nc; ++i) {
+            size_t start = (text.size() - chars) * size_t(2 * i + 1) / size_t(2 * nc);
+            const size_t para = text.find("\n\n", start);
+            if (para != std::string::npos && para + chars < text.size()) start = para;
+            while (start < text.size() && (text[start] == '\n' || text[start] == ' ')) ++start;
+            const size_t end = start + chars;
+            bool excl = false;
+            for (const auto& w : excluded) excl = excl || (w.first < end && start < w.second);
+            if (excl) { ++left_out; continue; }
+            if (!kept.empty() && kept.back() + chars > start) continue;  // overlaps the previous candidate
+            kept.push_back(start);
+        }
+    }
+    if (int(kept.size()) < n)
+        return result::failure("only " + std::to_string(kept.size()) + " excerpts of " + std::to_string(chars) +
+                               " bytes fit outside the excluded windows");
+    const size_t R = kept.size();
+    for (int j = 0; j < n; ++j) {
+        const size_t start = kept[size_t(2 * j + 1) * R / size_t(2 * n)];
+        std::string piece = text.substr(start, chars);
+        for (char& ch : piece)
+            if (ch == '\n') ch = ' ';
+        std::vector<int> t = tok.encode(piece);
+        if (int(t.size()) < tokens + cont_tokens)
+            return result::failure("excerpt " + std::to_string(j) + " has only " + std::to_string(t.size()) + " tokens");
+        if (cont) cont->emplace_back(t.begin() + tokens, t.begin() + tokens + cont_tokens);
+        t.resize(size_t(tokens));
+        out.push_back(std::move(t));
+        starts.push_back(start);
     }
     return result::success();
 }

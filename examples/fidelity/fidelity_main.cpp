@@ -31,6 +31,7 @@
 #include "report_util.hpp"
 #include "tokenizer.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -42,6 +43,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -70,8 +72,9 @@ struct budget_spec {
 };
 
 struct options {
-    std::string model_flag, data_flag, text_flag, out_dir = ".", only, dump, prompt_file, write_prompts;
-    int prompts = 6, prompt_tokens = 448, steps = 64, chunk = 0, page_size = 0;  // page_size > 0: --paged
+    std::string model_flag, data_flag, text_flag, out_dir = ".", only, dump, prompt_file, write_prompts, exclude;
+    int prompts = 32, prompt_tokens = 448, steps = 64, chunk = 0, page_size = 0;  // page_size > 0: --paged
+    int threads = std::max(1, int(std::thread::hardware_concurrency()));          // excerpts in parallel
     std::vector<budget_spec> budgets{{0.1, 0}, {0.2, 0}, {0.3, 0}, {0.5, 0}};
     bool smoke = false, ablations = false;
     bool text_continuation = false;  ///< --continuation text: teacher-force the real text after each excerpt
@@ -83,7 +86,7 @@ int usage(const char* argv0, const std::string& why) {
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--text FILE] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
                  "          [--steps N] [--fractions F,F,.. | --budgets N,N,..] [--continuation greedy|text]\n"
                  "          [--prompt-file FILE] [--write-prompts FILE] [--methods NAME,NAME,..] [--ablations] [--chunk N]\n"
-                 "          [--dump FILE] [--paged [--page-size N]]\n"
+                 "          [--dump FILE] [--paged [--page-size N]] [--threads N] [--exclude-windows FILE|none]\n"
                  "  --smoke            1 prompt, fractions 0.2,0.5, 8 steps; checks the table (exit 1 if incomplete\n"
                  "                     or not finite; exit 0 with a message if the model/text folder is missing);\n"
                  "                     writes fidelity_smoke.csv and fidelity_smoke_per_prompt.csv, never the full report's files\n"
@@ -92,7 +95,11 @@ int usage(const char* argv0, const std::string& why) {
                  "  --text FILE        the prose the excerpts come from, instead of <data>/sherlock.txt (e.g. the King\n"
                  "                     James Bible, scripts/kjv_text.sh: a text the model and LKV never saw in training)\n"
                  "  --out DIR          where fidelity.csv and fidelity_per_prompt.csv go (default .)\n"
-                 "  --prompts N        excerpts (default 6)\n"
+                 "  --prompts N        excerpts (default 32)\n"
+                 "  --exclude-windows FILE  byte windows of the text no excerpt may overlap (default: LKV's training\n"
+                 "                     contexts, <repo>/artifacts/lkv/train_windows.txt; they apply to sherlock.txt only); none: no windows\n"
+                 "  --threads N        excerpts evaluated in parallel (default: the machine's hardware threads); the\n"
+                 "                     figures do not depend on it\n"
                  "  --prompt-tokens N  tokens per excerpt, BOS included (default 448)\n"
                  "  --steps N          continuation tokens (default 64)\n"
                  "  --fractions LIST   keep fractions in (0, 1] (default 0.1,0.2,0.3,0.5)\n"
@@ -445,6 +452,10 @@ int main(int argc, char** argv) {
         else if (a == "--budgets") budgets_flag = v;
         else if (a == "--prompt-file") opt.prompt_file = v;
         else if (a == "--write-prompts") opt.write_prompts = v;
+        else if (a == "--exclude-windows") opt.exclude = v;
+        else if (a == "--threads") {
+            if (!parse_int(v, 1, 256, opt.threads)) return usage(argv[0], "--threads needs an integer in 1..256");
+        }
         else if (a == "--continuation") {
             if (v != "greedy" && v != "text") return usage(argv[0], "--continuation must be greedy or text, not '" + v + "'");
             opt.text_continuation = v == "text";
@@ -509,6 +520,8 @@ int main(int argc, char** argv) {
     tokenizer tok;
     if (result r = tok.load(tokenizer_file(mdir), m.cfg.vocab_size); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
     std::vector<std::vector<int>> prompts, continuations;  // continuations: empty = greedy protocol
+    int excerpts_left_out = 0;
+    std::string excluded_note = "prompts from a file";
     std::string source = text_name;
     if (!opt.prompt_file.empty()) {
         if (result r = read_prompt_file(opt.prompt_file, m.cfg.vocab_size, prompts, continuations); !r) {
@@ -542,12 +555,25 @@ int main(int argc, char** argv) {
     if (opt.prompt_file.empty()) {
         std::ifstream tf(text_path, std::ios::binary);
         const std::string text{std::istreambuf_iterator<char>(tf), std::istreambuf_iterator<char>()};
-        if (result r = make_prompts(tok, text, opt.prompts, opt.prompt_tokens, prompts, opt.text_continuation ? opt.steps : 0,
-                                    opt.text_continuation ? &continuations : nullptr);
+        // LKV's training contexts (byte windows of sherlock.txt) are left out of the excerpts
+        excluded_windows ex;
+        if (opt.exclude != "none") {
+            const std::string path = opt.exclude.empty() ? std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/train_windows.txt" : opt.exclude;
+            if (result r = read_excluded_windows(path, text, ex); !r) {
+                std::fprintf(stderr, "error: %s\n", r.error.c_str());
+                return 2;
+            }
+        }
+        std::vector<size_t> starts;
+        if (result r = make_excerpts(tok, text, opt.prompts, opt.prompt_tokens, ex.windows, prompts, opt.text_continuation ? opt.steps : 0,
+                                     opt.text_continuation ? &continuations : nullptr, excerpts_left_out, starts);
             !r) {
             std::fprintf(stderr, "error: %s\n", r.error.c_str());
             return 1;
         }
+        excluded_note = ex.windows.empty() ? (opt.exclude == "none" ? "no windows excluded" : "no excerpt can overlap LKV's training contexts (another text)")
+                                           : std::to_string(excerpts_left_out) + " candidate excerpts overlapping LKV's " + std::to_string(ex.windows.size()) +
+                                                 " training contexts left out";
     }
     wo_factors wo;
     if (result r = wo.compute(m); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
@@ -573,8 +599,8 @@ int main(int argc, char** argv) {
     }
     const config& c = m.cfg;
     std::printf("kvevict fidelity: stories260K (dim %d, %d layers, %d heads / %d KV heads, head_dim %d), %d excerpts of %d tokens "
-                "from %s, %d continuation tokens%s, %s%s\n",
-                c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), opt.prompts, opt.prompt_tokens, source.c_str(), opt.steps,
+                "from %s (%s), %d continuation tokens%s, %s%s\n",
+                c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), opt.prompts, opt.prompt_tokens, source.c_str(), excluded_note.c_str(), opt.steps,
                 continuations.empty() ? "" : " (the given text, teacher-forced; match: free-running greedy)",
                 opt.chunk > 0 ? ("chunked-prefill eviction every " + std::to_string(opt.chunk) + " tokens").c_str()
                               : "one-shot eviction at the end of prefill",
@@ -593,67 +619,103 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "error: cannot write --dump file %s\n", opt.dump.c_str());
         return 1;
     }
-    auto dump_ints = [&](const std::vector<int>& v) {
-        for (int x : v) std::fprintf(dump, " %d", x);
-        std::fprintf(dump, "\n");
+    // Excerpts run in parallel (--threads), one excerpt per task, everything of an excerpt on one thread:
+    // each figure is computed exactly as serially (kvevict's evictor runs with num_threads = 1), and the
+    // outputs are written in excerpt order afterwards, so the report is the same for any thread count.
+    struct excerpt_out {
+        std::vector<std::vector<metrics>> m;         // [method][budget]
+        std::vector<std::vector<char>> done;         // [method][budget]: evaluated without error
+        std::string dump, pages, prompts_line, errors;
+        double self_check = 0, full_bytes = 0;
+        bool failed = false;                          // the full run failed
     };
-    double self_check = 0, full_bytes = 0;
-    std::vector<std::string> excerpt_text;
-    for (size_t p = 0; p < prompts.size(); ++p) {
+    std::vector<excerpt_out> outs(prompts.size());
+    auto run_excerpt = [&](size_t p) {
+        excerpt_out& eo = outs[p];
+        eo.m.assign(methods.size(), std::vector<metrics>(opt.budgets.size()));
+        eo.done.assign(methods.size(), std::vector<char>(opt.budgets.size(), 0));
+        char buf[512];
+        auto ints = [](const std::vector<int>& v) {
+            std::string t;
+            for (int x : v) t += " " + std::to_string(x);
+            return t + "\n";
+        };
         reference ref;
         if (result r = run_reference(m, prompts[p], opt.steps, opt.page_size, continuations.empty() ? std::vector<int>{} : continuations[p], ref);
             !r) {
-            std::fprintf(stderr, "error: %s\n", r.error.c_str());
-            return 1;
+            eo.errors += "error: " + r.error + "\n";
+            eo.failed = true;
+            return;
         }
         if (wp) {  // prompt | the continuation as teacher-forced: a rerun with --prompt-file reproduces this run
-            for (int x : prompts[p]) std::fprintf(wp, "%d ", x);
-            std::fprintf(wp, "|");
-            for (int x : ref.inputs) std::fprintf(wp, " %d", x);
-            std::fprintf(wp, "\n");
+            for (int x : prompts[p]) eo.prompts_line += std::to_string(x) + " ";
+            eo.prompts_line += "|" + ints(ref.inputs);
         }
         // self-check of the isolated measurement: the unevicted cache must reproduce forward()'s output
         std::vector<double> o;
         for (int l = 0; l < c.n_layers; ++l) {
             attend(c, ref.prefilled, l, ref.q[size_t(l)].data(), ref.k[size_t(l)].data(), ref.v[size_t(l)].data(), o);
-            self_check = std::max(self_check, rel_err(ref.o[size_t(l)], o));
+            eo.self_check = std::max(eo.self_check, rel_err(ref.o[size_t(l)], o));
         }
-        full_bytes = double(prompts[p].size()) * c.n_layers * c.n_kv_heads * c.head_dim() * 2 * sizeof(float);
-        if (dump) {
-            std::fprintf(dump, "prompt\t%zu\t", p);
-            dump_ints(prompts[p]);
-            std::fprintf(dump, "inputs\t%zu\t", p);
-            dump_ints(ref.inputs);
-        }
+        eo.full_bytes = double(prompts[p].size()) * c.n_layers * c.n_kv_heads * c.head_dim() * 2 * sizeof(float);
+        if (dump) eo.dump += "prompt\t" + std::to_string(p) + "\t" + ints(prompts[p]) + "inputs\t" + std::to_string(p) + "\t" + ints(ref.inputs);
         for (size_t i = 0; i < methods.size(); ++i)
             for (size_t f = 0; f < opt.budgets.size(); ++f) {
-                metrics mt;
+                metrics& mt = eo.m[i][f];
                 kept_positions kept;
                 page_rounds pages;
                 if (result r = evaluate(m, wo, ref, prompts[p], methods[i], opt.budgets[f], opt.chunk, mt, dump ? &kept : nullptr,
                                         opt.page_size > 0 ? &pages : nullptr);
                     !r) {
-                    std::fprintf(stderr, "error: %s at keep %s, prompt %zu: %s\n", methods[i].name.c_str(), opt.budgets[f].label().c_str(), p,
-                                 r.error.c_str());
-                    ok = false;
+                    eo.errors += "error: " + methods[i].name + " at keep " + opt.budgets[f].label() + ", prompt " + std::to_string(p) + ": " + r.error + "\n";
                     continue;
                 }
-                res[i][f].push_back(mt);
+                eo.done[i][f] = 1;
                 if (opt.page_size > 0) {
                     std::string line;
                     for (const auto& pr : pages) line += (line.empty() ? "" : ", ") + std::to_string(pr.first) + " -> " + std::to_string(pr.second);
-                    std::fprintf(stderr, "pages in use (all layers, pool %d per layer): %s keep %s excerpt %zu: %s\n",
-                                 ref.prefilled.num_pages() * (methods[i].repeat_kv ? c.kv_group() : 1), methods[i].name.c_str(), opt.budgets[f].label().c_str(), p, line.c_str());
+                    std::snprintf(buf, sizeof buf, "pages in use (all layers, pool %d per layer): %s keep %s excerpt %zu: ",
+                                  ref.prefilled.num_pages() * (methods[i].repeat_kv ? c.kv_group() : 1), methods[i].name.c_str(),
+                                  opt.budgets[f].label().c_str(), p);
+                    eo.pages += buf + line + "\n";
                 }
                 if (dump) {
-                    std::fprintf(dump, "kl\t%s\t%.17g\t%zu\t%.17g\n", methods[i].name.c_str(), opt.budgets[f].nominal_fraction(opt.prompt_tokens), p, mt.kl);
+                    std::snprintf(buf, sizeof buf, "kl\t%s\t%.17g\t%zu\t%.17g\n", methods[i].name.c_str(), opt.budgets[f].nominal_fraction(opt.prompt_tokens), p, mt.kl);
+                    eo.dump += buf;
                     for (int l = 0; l < c.n_layers; ++l)
                         for (int h = 0; h < int(kept[size_t(l)].size()); ++h) {  // cache heads (q_heads for a -pqh row)
-                            std::fprintf(dump, "kept\t%s\t%.17g\t%zu\t%d\t%d\t", methods[i].name.c_str(),
-                                         opt.budgets[f].nominal_fraction(opt.prompt_tokens), p, l, h);
-                            dump_ints(kept[size_t(l)][size_t(h)]);
+                            std::snprintf(buf, sizeof buf, "kept\t%s\t%.17g\t%zu\t%d\t%d\t", methods[i].name.c_str(),
+                                          opt.budgets[f].nominal_fraction(opt.prompt_tokens), p, l, h);
+                            eo.dump += buf + ints(kept[size_t(l)][size_t(h)]);
                         }
                 }
+            }
+    };
+    {
+        std::atomic<size_t> next{0};
+        auto worker = [&] {
+            for (size_t p; (p = next.fetch_add(1)) < prompts.size();) run_excerpt(p);
+        };
+        std::vector<std::thread> pool;
+        const int nt = std::max(1, std::min(opt.threads, int(prompts.size())));
+        for (int t = 1; t < nt; ++t) pool.emplace_back(worker);
+        worker();
+        for (std::thread& t : pool) t.join();
+    }
+    double self_check = 0, full_bytes = 0;
+    for (size_t p = 0; p < prompts.size(); ++p) {
+        const excerpt_out& eo = outs[p];
+        std::fputs(eo.errors.c_str(), stderr);
+        std::fputs(eo.pages.c_str(), stderr);
+        if (eo.failed) return 1;
+        if (wp) std::fputs(eo.prompts_line.c_str(), wp);
+        if (dump) std::fputs(eo.dump.c_str(), dump);
+        self_check = std::max(self_check, eo.self_check);
+        full_bytes = eo.full_bytes;
+        for (size_t i = 0; i < methods.size(); ++i)
+            for (size_t f = 0; f < opt.budgets.size(); ++f) {
+                if (eo.done[i][f]) res[i][f].push_back(eo.m[i][f]);
+                else ok = false;
             }
     }
     if (dump) std::fclose(dump);
