@@ -29,7 +29,9 @@ struct pyramidkv : eviction_policy<scorers::attention_weight, temporal::sum, spa
 struct adakv : eviction_policy<scorers::attention_weight, temporal::sum, spatial::avg_pool, budgeters::adakv> {};
 
 /// AdaKV as its authors publish and run it (Feng et al. 2024, reference code AdaKV/adaptive_snapkv):
-/// window 32, max-pool kernel 7 (not SnapKV's avg-pool 5), alpha 0.2, one selection per query head
+/// window 32, max-pool kernel 7 (not SnapKV's avg-pool 5), alpha 0.2, the reference's per-head budget
+/// rounding (budgeters::adakv::params::exact_total = false: the layer keeps T tokens give or take the
+/// rounding, not exactly T), one selection per query head
 /// (gqa_reduction::per_query_head: the reference repeats K/V to q_heads heads before eviction, so the
 /// compacted cache has q_heads heads, G times a GQA-native cache). The selection has q_heads rows per
 /// sequence; an engine compacts it into a cache that holds a copy of each KV head per query head. On such
@@ -40,6 +42,7 @@ struct adakv_published : eviction_policy<scorers::attention_weight, temporal::su
     params p;
     p.spatial.kernel = 7;
     p.budgeter.alpha = 0.2f;
+    p.budgeter.exact_total = false;  // the reference's per-head rounding (budgeters::adakv)
     p.gqa = gqa_reduction::per_query_head;
     return p;
   }

@@ -60,7 +60,10 @@ void fields(kvevict::budgeters::pyramid::params& p, F&& f) {
   f("num_tokens", p.num_tokens);
 }
 template <class F>
-void fields(kvevict::budgeters::adakv::params& p, F&& f) { f("alpha", p.alpha); }
+void fields(kvevict::budgeters::adakv::params& p, F&& f) {
+  f("alpha", p.alpha);
+  f("exact_total", p.exact_total);
+}
 template <class F>
 void fields(kvevict::budgeters::headwise_learned::params& p, F&& f) {
   // The tables come from the artifact; these scalars may be overridden.

@@ -212,6 +212,87 @@ TEST_CASE("budget: AdaKV head-wise allocation matches the documented formula") {
   CHECK(std::string(kvevict::budgeters::adakv::check({-0.5f}).message()).find("alpha") != std::string::npos);
 }
 
+TEST_CASE("budget: AdaKV with exact_total = false is the reference code's per-head rounding (hand-computed, fp64 reference)") {
+  // Hand-computed: 3 heads of 40 tokens, nothing protected, B = 10, alpha 0.2: T = 30, F = floor(0.2 * 10) = 2.
+  // Winners of the top 30 (13, 13, 4): round(0.8 * 13 + 2) = round(12.4) = 12, 12, round(5.2) = 5: 29 kept, not 30.
+  // The largest-remainder rule keeps exactly 30 (12.4, 12.4, 5.2 -> 12, 13, 5: the first of the tied remainders).
+  {
+    std::vector<std::vector<float>> sc(3, std::vector<float>(40, 0.01f));
+    for (int i = 0; i < 13; ++i) sc[0][static_cast<std::size_t>(2 * i)] = 0.9f, sc[1][static_cast<std::size_t>(3 * i)] = 0.8f;
+    for (int i = 0; i < 4; ++i) sc[2][static_cast<std::size_t>(5 + i)] = 0.7f;
+    std::vector<const float*> ptr{sc[0].data(), sc[1].data(), sc[2].data()};
+    std::vector<kvevict::detail::head_plan> lp(3, lib_plan(kvref::plan(40, 10, 0.0, 0, 0, -1.0, 0)));
+    std::vector<std::int64_t> pub(3), exact(3);
+    kvevict::budgeters::adakv::params p;
+    p.alpha = 0.2f;
+    p.exact_total = false;
+    kvevict::cpu::detail::adakv_budgets(p, lp.data(), ptr.data(), 3, pub.data());
+    CHECK(pub == std::vector<std::int64_t>{12, 12, 5});
+    p.exact_total = true;
+    kvevict::cpu::detail::adakv_budgets(p, lp.data(), ptr.data(), 3, exact.data());
+    CHECK(exact[0] + exact[1] + exact[2] == 30);
+    CHECK(kvevict::budgeters::adakv::total_slack(p, 3) == 0);
+    p.exact_total = false;
+    CHECK(kvevict::budgeters::adakv::total_slack(p, 3) == 3);
+  }
+  // Half to even, as torch.round: 0.8 * 5 + F never ends in .5, alpha 0.5 does: 0.5 * 5 + 2 = 4.5 -> 4, 0.5 * 7 + 2 = 5.5 -> 6.
+  {
+    std::vector<std::vector<float>> sc(2, std::vector<float>(30, 0.01f));
+    for (int i = 0; i < 5; ++i) sc[0][static_cast<std::size_t>(i)] = 0.9f;
+    for (int i = 0; i < 3; ++i) sc[1][static_cast<std::size_t>(i)] = 0.8f;
+    std::vector<const float*> ptr{sc[0].data(), sc[1].data()};
+    std::vector<kvevict::detail::head_plan> lp(2, lib_plan(kvref::plan(30, 4, 0.0, 0, 0, -1.0, 0)));
+    kvevict::budgeters::adakv::params p;
+    p.alpha = 0.5f;
+    p.exact_total = false;
+    std::vector<std::int64_t> got(2);
+    kvevict::cpu::detail::adakv_budgets(p, lp.data(), ptr.data(), 2, got.data());  // T = 8: winners (5, 3), F = 2
+    CHECK(got == std::vector<std::int64_t>{4, 4});  // round(4.5) = 4, round(3.5) = 4
+  }
+  // Random plans and scores against the fp64 reference's rule (tests/reference/reference.hpp), and the slack bound.
+  kvtest::rng r(29);
+  int off = 0;
+  for (int it = 0; it < 300; ++it) {
+    const std::int64_t H = r.integer(1, 8);
+    std::vector<kvref::head_plan> plans;
+    std::vector<kvref::vec> sc;
+    std::vector<std::vector<float>> scf(static_cast<std::size_t>(H));
+    std::vector<const float*> ptr;
+    std::vector<kvevict::detail::head_plan> lp;
+    const std::int64_t B = it % 3 == 0 ? r.integer(1, 24) : r.integer(5, 24);  // a budget holds the protected tokens
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t L = r.integer(1, 60);
+      plans.push_back(it % 3 == 0 ? kvref::plan(L, B, 0.0, 0, 0, -1.0, 3) : kvref::plan(L, B, 0.0, 1, 3, -1.0, 3));
+      kvref::vec v(static_cast<std::size_t>(L));
+      const double scale = r.uniform(0.1, 10.0);
+      for (auto& x : v) x = static_cast<float>(scale * r.uniform());
+      scf[static_cast<std::size_t>(h)].assign(v.begin(), v.end());
+      sc.push_back(v);
+      lp.push_back(lib_plan(plans.back()));
+    }
+    for (auto& v : scf) ptr.push_back(v.data());
+    kvevict::budgeters::adakv::params p;
+    p.alpha = r.uniform() < 0.5 ? 0.2f : static_cast<float>(r.uniform());
+    p.exact_total = false;
+    std::vector<std::int64_t> got(static_cast<std::size_t>(H));
+    kvevict::cpu::detail::adakv_budgets(p, lp.data(), ptr.data(), H, got.data());
+    const auto ref = kvref::adakv_budgets(plans, sc, static_cast<double>(p.alpha), false);
+    std::int64_t sum = 0, exact = 0;
+    for (std::int64_t h = 0; h < H; ++h) {
+      const auto& pl = plans[static_cast<std::size_t>(h)];
+      CAPTURE(h);
+      CHECK(got[static_cast<std::size_t>(h)] == ref[static_cast<std::size_t>(h)]);
+      CHECK(got[static_cast<std::size_t>(h)] <= pl.L);
+      CHECK(got[static_cast<std::size_t>(h)] >= std::min(pl.L, pl.prot()));
+      sum += got[static_cast<std::size_t>(h)];
+      exact += pl.pass ? pl.L : pl.base;
+    }
+    CHECK(sum <= exact + kvevict::budgeters::adakv::total_slack(p, H));
+    off += sum != exact;
+  }
+  CHECK(off > 30);  // the rule does move the total
+}
+
 // ---- PyramidKV and AdaKV through the evictor -------------------------------------------------
 
 TEST_CASE("budgeters through the evictor: PyramidKV (integer and exact) and AdaKV") {
@@ -276,6 +357,47 @@ TEST_CASE("budgeters through the evictor: PyramidKV (integer and exact) and AdaK
     }
     CHECK(uneven > 0);
   }
+}
+
+TEST_CASE("budgeters through the evictor: presets::adakv_published (max-pool 7, reference rounding) vs the fp64 reference") {
+  // On K/V the reference code would have repeated (G = 1): every query head its own cache head.
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 8, s.group = 1, s.cap = 80, s.d = 16, s.window = 8;
+  ref_config c;
+  c.scorer = scorer_kind::attention_weight;
+  c.spatial = spatial_kind::max_pool;
+  c.kernel = 7;
+  c.budgeter = kvtest::budget_kind::adakv;
+  c.adakv_alpha = static_cast<double>(0.2f);
+  c.adakv_exact_total = false;
+  int off = 0;
+  for (std::int32_t keep : {12, 24, 40}) {
+    c.keep_tokens = keep;
+    for (std::uint64_t seed = 1200; seed < 1206; ++seed) {
+      CAPTURE(keep);
+      CAPTURE(seed);
+      kvtest::problem pr = kvtest::make_problem(s, seed);
+      for (std::int64_t b = 0; b < s.batch; ++b)  // heads of different sharpness
+        for (std::int64_t hq = 0; hq < s.q_heads(); ++hq)
+          for (std::int64_t j = 0; j < s.window; ++j)
+            for (std::int64_t d = 0; d < s.d; ++d) pr.Q[pr.q_idx(b, hq, j, d)] *= 0.3 + 0.7 * static_cast<double>(hq);
+      kvtest::stored<float> st;
+      kvtest::store(pr, layout::hnd, st);
+      kv::evictor<kv::presets::adakv_published, kv::cpu::backend> ev;
+      const kv::budget_request req = kv::budget_request::tokens(keep);
+      auto lib = kvtest::run_lib(ev, st.in, req);
+      REQUIRE(lib.st.ok());
+      const std::string diff = kvtest::compare(lib, kvtest::reference_run(pr, c));
+      CHECK_MESSAGE(diff.empty(), diff);
+      kv::eviction_plan pl;
+      REQUIRE(ev.plan(st.in, req, &pl).ok());
+      CHECK(!pl.max_selected_exact);
+      CHECK(lib.indptr.back() <= pl.max_selected);
+      CHECK(pl.max_selected == keep * lib.rows + s.batch * s.q_heads());  // + total_slack = 8 per sequence
+      off += lib.indptr.back() != keep * lib.rows;
+    }
+  }
+  CHECK(off > 0);  // the layer total moved somewhere
 }
 
 TEST_CASE("budgeters never empty a non-empty head when nothing is protected (AdaKV, PyramidKV; tiny budgets)") {

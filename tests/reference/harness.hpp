@@ -239,6 +239,7 @@ struct ref_config {
   double pyramid_beta = 20.0;
   bool pyramid_exact = true;
   double adakv_alpha = 0.2;
+  bool adakv_exact_total = true;  ///< false: the reference code's per-head rounding (presets::adakv_published)
   std::int64_t layer = 0, num_layers = 1;
   // CriticalKV (scorer attention_value_norm): selection in two stages
   double first_stage_ratio = 0.5, eps = 1e-4;
@@ -430,7 +431,7 @@ inline std::vector<ref_row> reference_run(const problem& p, const ref_config& cf
     }
     std::vector<std::int64_t> bud(static_cast<std::size_t>(H));
     if (cfg.budgeter == budget_kind::adakv) {
-      bud = kvref::adakv_budgets(plans, sc, cfg.adakv_alpha);
+      bud = kvref::adakv_budgets(plans, sc, cfg.adakv_alpha, cfg.adakv_exact_total);
     } else {
       for (std::int64_t hr = 0; hr < H; ++hr) {
         const auto& pl = plans[static_cast<std::size_t>(hr)];

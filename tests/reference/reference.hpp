@@ -546,8 +546,9 @@ inline head_plan plan(std::int64_t L, std::int64_t keep_tokens, double keep_frac
 /// lower index); share_h = (1 - alpha) winners_h + alpha (B_h - prot_h); largest remainder to T
 /// with cap = candidates; budget = prot + extra. Pass-through heads keep L. A head with nothing
 /// protected is never emptied (it takes 1 token from the head with the largest surplus).
+/// exact_total = false: the reference code's per-head rounding instead of the largest remainder.
 inline std::vector<std::int64_t> adakv_budgets(const std::vector<head_plan>& plans, const std::vector<vec>& scores,
-                                               double alpha) {
+                                               double alpha, bool exact_total = true) {
   struct c {
     double s;
     std::int64_t h, i;
@@ -575,12 +576,30 @@ inline std::vector<std::int64_t> adakv_budgets(const std::vector<head_plan>& pla
   vec share(H, 0.0);
   for (std::size_t h = 0; h < H; ++h)
     if (!plans[h].pass) share[h] = (1.0 - alpha) * static_cast<double>(win[h]) + alpha * static_cast<double>(plans[h].base - plans[h].prot());
-  auto extra = largest_remainder(share, &cap, T);
+  std::vector<std::int64_t> extra;
+  if (exact_total) {
+    extra = largest_remainder(share, &cap, T);
+  } else {
+    // exact_total = false, the authors' rule (AdaKV/adaptive_snapkv, AdaptiveSnapKVCluster.update_kv):
+    // torch.round(c_h * (1 - floor_alpha) + int((B - w) * floor_alpha)) on a float32 tensor (half to even),
+    // each head on its own, at most the head's candidates (its sorted score list)
+    extra.assign(H, 0);
+    for (std::size_t h = 0; h < H; ++h) {
+      if (plans[h].pass) continue;
+      const auto F = static_cast<std::int64_t>(std::floor(alpha * static_cast<double>(plans[h].base - plans[h].prot())));
+      const float x = static_cast<float>(win[h]) * static_cast<float>(1.0 - alpha) + static_cast<float>(F);
+      extra[h] = std::max<std::int64_t>(0, std::min<std::int64_t>(cap[h], static_cast<std::int64_t>(std::nearbyint(x))));
+    }
+  }
   // Floor: an evicting head with nothing protected and extra 0 takes 1 from the head whose
   // extra exceeds its own floor the most (first such head on ties), heads in order.
   auto floor1 = [&](std::size_t h) -> std::int64_t { return !plans[h].pass && plans[h].prot() == 0 && plans[h].cand() > 0; };
   for (std::size_t h = 0; h < H; ++h) {
     if (!floor1(h) || extra[h] != 0) continue;
+    if (!exact_total) {  // no total to keep: the head takes its token
+      extra[h] = 1;
+      continue;
+    }
     std::vector<std::int64_t> surplus(H);
     for (std::size_t j = 0; j < H; ++j) surplus[j] = extra[j] - floor1(j);
     const std::size_t donor = static_cast<std::size_t>(std::max_element(surplus.begin(), surplus.end()) - surplus.begin());

@@ -31,7 +31,10 @@ struct budgeter_fingerprint {
 };
 template <>
 struct budgeter_fingerprint<budgeters::adakv> {
-  static std::uint64_t of(const budgeters::adakv::params& p, std::uint64_t h) { return fnv1a(h, &p.alpha, sizeof p.alpha); }
+  static std::uint64_t of(const budgeters::adakv::params& p, std::uint64_t h) {
+    const unsigned char e = p.exact_total ? 1 : 0;
+    return fnv1a(fnv1a(h, &p.alpha, sizeof p.alpha), &e, 1);
+  }
 };
 template <>
 struct budgeter_fingerprint<budgeters::pyramid> {

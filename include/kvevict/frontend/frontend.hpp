@@ -423,6 +423,11 @@ struct frontend {
       pl.max_selected = kept_upper_bound(in, p, budget);
       pl.max_selected_exact = false;
     }
+    if (const std::int64_t slack = total_slack(p.budgeter, pl.out_heads); slack > 0) {
+      // a score-driven budgeter that does not keep each sequence's total (AdaKV's reference rounding)
+      pl.max_selected += in.batch() * slack;
+      pl.max_selected_exact = false;
+    }
     if (rq.lengths_known) KVEVICT_TRY(check_layer_mean_lengths(p, in.batch(), in.kv_heads(), len));
     pl.workspace_bytes = workspace(rq.num_threads);
     pl.valid = true;
@@ -484,6 +489,19 @@ struct frontend {
     if constexpr (has_max_head_budget<Budgeter>::value) return Budgeter::max_head_budget(bp, B);
     (void)bp;
     return B;
+  }
+  /// Tokens a sequence of `heads` rows can keep beyond the score-driven total (budgeters that declare
+  /// `total_slack(params, heads)`; 0 otherwise).
+  template <class Bu, class = void>
+  struct has_total_slack : std::false_type {};
+  template <class Bu>
+  struct has_total_slack<Bu, std::void_t<decltype(Bu::total_slack(std::declval<const typename Bu::params&>(), std::int64_t{}))>>
+      : std::true_type {};
+  static std::int64_t total_slack(const typename Budgeter::params& bp, std::int64_t heads) {
+    if constexpr (has_total_slack<Budgeter>::value) return Budgeter::total_slack(bp, heads);
+    (void)bp;
+    (void)heads;
+    return 0;
   }
 };
 

@@ -165,10 +165,18 @@ struct pyramid {
 /// each such head left with 0 takes 1 token from the head with the largest surplus (extra_h
 /// minus its own floor; ties: lower head), in head order. The total stays T, and nothing
 /// changes when no head was emptied. (Without the floor, 1 token per head over 2 heads with
-/// nothing protected gave one head both tokens.) Errors: alpha outside [0, 1].
+/// nothing protected gave one head both tokens.)
+/// `exact_total = false` is the authors' reference rule instead (AdaKV/adaptive_snapkv,
+/// AdaptiveSnapKVCluster.update_kv): each head on its own gets
+/// budget_h = protected_h + round((1 - alpha) c_h + floor(alpha (B_h - protected_h))), computed as
+/// the reference does in float32 (c_h times float(1 - alpha), plus the floor, then rounded half to
+/// even), capped at the head's candidates; the layer total then differs from T by the rounding
+/// (a few tokens; total_slack bounds it). A head with nothing protected that rounds to 0 keeps 1
+/// token (no donor: there is no total to keep). `presets::adakv_published` uses it. Errors: alpha outside [0, 1].
 struct adakv {
   struct params {
     float alpha = 0.2f;
+    bool exact_total = true;  ///< false: the reference code's per-head rounding (above)
   };
   static constexpr const char* name = "adakv";
   static constexpr bool needs_scores = true;
@@ -194,13 +202,32 @@ struct adakv {
       share[h] = (1.0 - static_cast<double>(p.alpha)) * static_cast<double>(winners[h]) +
                  static_cast<double>(p.alpha) * static_cast<double>(pl[h].base_budget - pl[h].protected_count());
     }
-    detail::apportion(share, cap, H, T, extra);
+    if (p.exact_total) {
+      detail::apportion(share, cap, H, T, extra);
+    } else {
+      const float keep = static_cast<float>(1.0 - static_cast<double>(p.alpha));  // torch: int tensor * python float -> float32
+      for (std::int64_t h = 0; h < H; ++h) {
+        extra[h] = 0;
+        if (pl[h].pass_through) continue;
+        const std::int64_t fl = static_cast<std::int64_t>(
+            std::floor(static_cast<double>(p.alpha) * static_cast<double>(pl[h].base_budget - pl[h].protected_count())));
+        const float x = static_cast<float>(winners[h]) * keep + static_cast<float>(fl);
+        const float down = std::floor(x);
+        std::int64_t r = static_cast<std::int64_t>(down);
+        if (x - down > 0.5f || (x - down == 0.5f && (r & 1) != 0)) ++r;  // half to even, as torch.round
+        extra[h] = r < 0 ? 0 : (r < cap[h] ? r : cap[h]);
+      }
+    }
     // Floor: an emptied head that must keep a token takes one from the head with the largest
     // surplus extra - m (ties: lower head). One exists: sum(extra - m) = T - sum(m) >= 0
     // (a floored head has B >= 1 and >= 1 candidate, so it adds >= 1 to T and 1 to sum(m)),
     // and the emptied head's own term is -1.
     for (std::int64_t h = 0; h < H; ++h) {
       if (floor_tokens(pl[h]) == 0 || extra[h] > 0) continue;
+      if (!p.exact_total) {  // the reference rule has no total to keep: the head takes its token
+        extra[h] = 1;
+        continue;
+      }
       std::int64_t donor = -1, best = 0;
       for (std::int64_t j = 0; j < H; ++j) {
         const std::int64_t surplus = extra[j] - floor_tokens(pl[j]);
@@ -216,6 +243,12 @@ struct adakv {
     for (std::int64_t h = 0; h < H; ++h)
       budgets[h] = pl[h].pass_through ? pl[h].length : pl[h].protected_count() + extra[h];
   }
+  /// Tokens a sequence of `heads` rows may keep beyond its total T + protected: 0 with exact_total;
+  /// with the reference rounding each head rounds on its own, round(x_h) <= x_h + 1/2 with
+  /// sum x_h <= T (sum c_h = T, sum F_h <= alpha T), and a head with nothing protected that rounds
+  /// to 0 takes 1 token (the floor, without a donor here): at most T + heads. The plan's max_selected
+  /// adds it (no longer exact).
+  static std::int64_t total_slack(const params& p, std::int64_t heads) { return p.exact_total ? 0 : heads; }
   /// m_h: 1 for an evicting head with candidates and nothing protected, else 0.
   KVEVICT_HOST_DEVICE static std::int64_t floor_tokens(const detail::head_plan& h) {
     return (!h.pass_through && h.protected_count() == 0 && h.candidates() > 0) ? 1 : 0;
