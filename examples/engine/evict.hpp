@@ -249,6 +249,16 @@ struct method {
     /// and AdaKV does; eviction_session and the fidelity report then build such a cache. policy_method()
     /// sets it for params with gqa_reduction::per_query_head.
     bool repeat_kv = false;
+    /// The plan of one head of `length` tokens at budget `req` with observation window `window` (-1: every
+    /// query): its budget after the library raises it to the tokens always kept, and those tokens (sinks +
+    /// protected recent ones; kvevict::detail::plan_head with the method's selector params). The fidelity
+    /// report counts the tokens chosen by score from it and leaves out a row whose budget was raised. Null
+    /// for a method that states nothing: the report then takes `window` tokens as kept always.
+    std::function<kvevict::detail::head_plan(const kvevict::budget_request& req, std::int64_t length, int window)> plan;
+    /// The same eviction with another observation window (the queries read and the recent tokens kept);
+    /// null when the method cannot change it. The report shrinks the window of a row whose budget cannot
+    /// hold it (docs/fidelity.md, "Honest budgets").
+    std::function<result(const layer_state&, int window)> evict_with_window;
 };
 
 /// A method running kvevict preset/policy `Policy` with params `p` (the papers' defaults by default).
@@ -260,6 +270,13 @@ method policy_method(std::string name, typename Policy::params p = Policy::defau
     m.window = window;
     m.repeat_kv = p.gqa == kvevict::gqa_reduction::per_query_head;
     m.evict = [p, window](const layer_state& s) { return evict_layer<Policy>(s, p, window); };
+    m.plan = [sp = p.selector](const kvevict::budget_request& req, std::int64_t length, int w) {
+        return kvevict::detail::plan_head(req, sp, length, w < 0 ? length : std::min<std::int64_t>(w, length));
+    };
+    // Only a window that is also the protected recent part can shrink (not H2O's every query, nor a
+    // query-free row, nor an explicit recent count).
+    if (window > 0 && p.selector.num_recent == -1 && !(p.selector.recent_share >= 0.0f))
+        m.evict_with_window = [p](const layer_state& s, int w) { return evict_layer<Policy>(s, p, w); };
     return m;
 }
 

@@ -12,7 +12,7 @@
 //      from forward_options::on_head_output; "isolated": layer l's full-cache query attends the evicted
 //      layer-l cache, so the error is that layer's eviction alone; also after W_O and "propagated"),
 //      bytes of fp32 K+V kept.
-// Per-query-head rows (method::repeat_kv: ReST-KV-pqh, SnapKV-pqh, AdaKV-pub, Oracle-W-pqh) evict a copy of
+// Per-query-head rows (method::repeat_kv: ReST-KV-pqh, SnapKV-pqh, AdaKV-pub, Greedy-W-pqh) evict a copy of
 // the prefilled cache repeated to q_heads heads, as the methods' reference code does: one selection per
 // query head, and G times the KV bytes of a GQA-native row at the same keep fraction (the kept column can
 // exceed 100%: it is against the GQA-native full cache).
@@ -76,7 +76,8 @@ struct options {
     int prompts = 32, prompt_tokens = 448, steps = 64, chunk = 0, page_size = 0;  // page_size > 0: --paged
     int threads = std::max(1, int(std::thread::hardware_concurrency()));          // excerpts in parallel
     std::vector<budget_spec> budgets{{0.1, 0}, {0.2, 0}, {0.3, 0}, {0.5, 0}};
-    bool smoke = false, ablations = false;
+    bool smoke = false, ablations = false, full = false;
+    std::string reference = "SnapKV";  ///< --reference: the row every other row is compared with, excerpt by excerpt
     bool text_continuation = false;  ///< --continuation text: teacher-force the real text after each excerpt
 };
 
@@ -87,6 +88,7 @@ int usage(const char* argv0, const std::string& why) {
                  "          [--steps N] [--fractions F,F,.. | --budgets N,N,..] [--continuation greedy|text]\n"
                  "          [--prompt-file FILE] [--write-prompts FILE] [--methods NAME,NAME,..] [--ablations] [--chunk N]\n"
                  "          [--dump FILE] [--paged [--page-size N]] [--threads N] [--exclude-windows FILE|none]\n"
+                 "          [--full] [--reference NAME]\n"
                  "  --smoke            1 prompt, fractions 0.2,0.5, 8 steps; checks the table (exit 1 if incomplete\n"
                  "                     or not finite; exit 0 with a message if the model/text folder is missing);\n"
                  "                     writes fidelity_smoke.csv and fidelity_smoke_per_prompt.csv, never the full report's files\n"
@@ -112,8 +114,11 @@ int usage(const char* argv0, const std::string& why) {
                  "                     with --prompt-file FILE reproduces the run's figures bit for bit\n"
                  "  --methods LIST     only these rows (names as printed)\n"
                  "  --ablations        add ReST-KV ablation rows (diagnostics; one change each from the defaults)\n"
+                 "  --full             also the costly rows the default leaves out (Greedy-W-pqh)\n"
+                 "  --reference NAME   the row every other row is compared with per excerpt (default SnapKV): paired KL\n"
+                 "                     difference, its standard error, sign-test wins\n"
                  "  --chunk N          chunked-prefill eviction every N prompt tokens (budget floor(f * prompt) tokens per\n"
-                 "                     head) instead of one-shot; rows that need the look-ahead (Oracle-next) are left out\n"
+                 "                     head) instead of one-shot; rows that need the look-ahead (Greedy-next) are left out\n"
                  "  --dump FILE        also write the prompts, the continuation, every kept position per (row, fraction,\n"
                  "                     prompt, layer, KV head) and every KL in full precision (the Python press test reads it)\n"
                  "  --paged            paged KV cache (one-head pages, a page table per KV head; evictions free pages):\n"
@@ -286,6 +291,7 @@ result run_reference(const model& m, const std::vector<int>& prompt, int steps, 
 
 struct metrics {
     double kl = 0, top1 = 0, match = 0, kv_bytes = 0, oerr_prop = 0;
+    double scored = 0;                  // kept tokens chosen by score, mean over (layer, cache head)
     std::vector<double> oerr, oerr_wo;  // per layer (isolated)
     std::vector<double> oerr_wo_prop;   // per layer, after W_O, measured in the evicted run (propagated)
 };
@@ -308,6 +314,16 @@ double t_critical_95(int df) {
                                  2.201,  2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
                                  2.080,  2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042};
     return df < 1 ? 0.0 : df <= 30 ? t[df - 1] : 1.96 + 2.5 / double(df);
+}
+
+/// Two-sided exact sign test: the probability, under a fair coin, of a split of wins + losses at least
+/// as uneven as the one seen (ties dropped before). 1 when there is nothing to test.
+double sign_test_p(int wins, int losses) {
+    const int n = wins + losses, k = std::min(wins, losses);
+    if (n == 0) return 1.0;
+    double tail = 0;  // P(X <= k), X ~ Binomial(n, 1/2), from log-binomials
+    for (int i = 0; i <= k; ++i) tail += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) - n * std::log(2.0));
+    return std::min(1.0, 2.0 * tail);
 }
 
 /// The evicted cache of one (excerpt, method, fraction): one-shot eviction of the prefilled cache
@@ -381,6 +397,20 @@ result evaluate(const model& m, const wo_factors& wo, const reference& ref, cons
     out = metrics{};
     for (int l = 0; l < c.n_layers; ++l)
         for (int h = 0; h < cache.n_kv_heads(); ++h) out.kv_bytes += double(cache.length(l, h)) * c.head_dim() * 2 * sizeof(float);
+    // tokens chosen by score: kept minus the tokens the method keeps by rule (its plan's sinks and
+    // protected recent tokens for the head's length before eviction; `window` of them without a plan)
+    if (chunk == 0) {
+        int cells = 0;
+        for (int l = 0; l < c.n_layers; ++l)
+            for (int h = 0; h < cache.n_kv_heads(); ++h) {
+                const int L = ref.prefilled.length(l, h / std::max(1, cache.kv_repeat()));
+                const std::int64_t prot = meth.plan ? meth.plan(budget.request(), L, meth.window).protected_count()
+                                                    : std::min<std::int64_t>(std::max(meth.window, 0), L);
+                out.scored += double(std::max<std::int64_t>(0, cache.length(l, h) - prot));
+                ++cells;
+            }
+        out.scored /= std::max(1, cells);
+    }
     std::vector<double> o;
     for (int l = 0; l < c.n_layers; ++l) {
         attend(c, cache, l, ref.q[size_t(l)].data(), ref.k[size_t(l)].data(), ref.v[size_t(l)].data(), o);
@@ -437,6 +467,7 @@ int main(int argc, char** argv) {
         if (a == "-h" || a == "--help") return usage(argv[0], "");
         if (a == "--smoke") { opt.smoke = true; continue; }
         if (a == "--ablations") { opt.ablations = true; continue; }
+        if (a == "--full") { opt.full = true; continue; }
         if (a == "--paged") { paged = true; continue; }
         if (i + 1 >= argc) return usage(argv[0], "missing value for " + a);
         const std::string v = argv[++i];
@@ -453,6 +484,7 @@ int main(int argc, char** argv) {
         else if (a == "--prompt-file") opt.prompt_file = v;
         else if (a == "--write-prompts") opt.write_prompts = v;
         else if (a == "--exclude-windows") opt.exclude = v;
+        else if (a == "--reference") opt.reference = v;
         else if (a == "--threads") {
             if (!parse_int(v, 1, 256, opt.threads)) return usage(argv[0], "--threads needs an integer in 1..256");
         }
@@ -578,7 +610,7 @@ int main(int argc, char** argv) {
     wo_factors wo;
     if (result r = wo.compute(m); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
 
-    std::vector<method> methods = kvevict_fidelity::report_methods(opt.ablations);
+    std::vector<method> methods = kvevict_fidelity::report_methods(opt.ablations, opt.full);
     if (!opt.only.empty()) {
         const std::vector<std::string> keep = split(opt.only);
         std::vector<method> sel;
@@ -605,6 +637,38 @@ int main(int argc, char** argv) {
                 opt.chunk > 0 ? ("chunked-prefill eviction every " + std::to_string(opt.chunk) + " tokens").c_str()
                               : "one-shot eviction at the end of prefill",
                 opt.page_size > 0 ? (", paged KV cache (page size " + std::to_string(opt.page_size) + ")").c_str() : "");
+
+    // Honest budgets: a row keeps the budget it is labelled with. Where a budget cannot hold the tokens the
+    // method keeps by rule (its window or sinks), a row whose window is its protected recent part runs with
+    // a window of half the budget (the other half chosen by score); any other such row is left out, with
+    // the reason printed. One-shot eviction only (chunked budgets are per chunk).
+    std::vector<std::vector<method>> eff(methods.size());
+    std::vector<std::vector<std::string>> left_out(methods.size(), std::vector<std::string>(opt.budgets.size()));
+    for (size_t i = 0; i < methods.size(); ++i)
+        for (size_t f = 0; f < opt.budgets.size(); ++f) {
+            method mm = methods[i];
+            const int L = opt.prompt_tokens;
+            const budget_spec& b = opt.budgets[f];
+            const std::int64_t want = b.tokens > 0 ? b.tokens : std::int64_t(std::floor(b.fraction * double(L)));
+            if (opt.chunk == 0 && mm.plan && want < L) {
+                const kvevict::detail::head_plan pl = mm.plan(b.request(), L, mm.window);
+                if (pl.base_budget > want || pl.protected_count() > want) {
+                    const int w = int(want / 2);
+                    if (mm.evict_with_window && w >= 1) {
+                        std::printf("note: %s at keep %s: the budget of %lld tokens per head cannot hold its window of %d; "
+                                    "window %d instead (the rest chosen by score)\n",
+                                    mm.name.c_str(), b.label().c_str(), (long long)want, mm.window, w);
+                        mm.evict = [ew = mm.evict_with_window, w](const layer_state& st) { return ew(st, w); };
+                        mm.window = w;
+                    } else {
+                        left_out[i][f] = "its " + std::to_string(pl.protected_count()) + " tokens kept by rule exceed the budget of " +
+                                         std::to_string(want) + " tokens per head";
+                        std::printf("note: %s at keep %s left out: %s\n", mm.name.c_str(), b.label().c_str(), left_out[i][f].c_str());
+                    }
+                }
+            }
+            eff[i].push_back(std::move(mm));
+        }
 
     // results[method][fraction] = per-prompt metrics
     std::vector<std::vector<std::vector<metrics>>> res(methods.size(), std::vector<std::vector<metrics>>(opt.budgets.size()));
@@ -661,10 +725,11 @@ int main(int argc, char** argv) {
         if (dump) eo.dump += "prompt\t" + std::to_string(p) + "\t" + ints(prompts[p]) + "inputs\t" + std::to_string(p) + "\t" + ints(ref.inputs);
         for (size_t i = 0; i < methods.size(); ++i)
             for (size_t f = 0; f < opt.budgets.size(); ++f) {
+                if (!left_out[i][f].empty()) continue;
                 metrics& mt = eo.m[i][f];
                 kept_positions kept;
                 page_rounds pages;
-                if (result r = evaluate(m, wo, ref, prompts[p], methods[i], opt.budgets[f], opt.chunk, mt, dump ? &kept : nullptr,
+                if (result r = evaluate(m, wo, ref, prompts[p], eff[i][f], opt.budgets[f], opt.chunk, mt, dump ? &kept : nullptr,
                                         opt.page_size > 0 ? &pages : nullptr);
                     !r) {
                     eo.errors += "error: " + methods[i].name + " at keep " + opt.budgets[f].label() + ", prompt " + std::to_string(p) + ": " + r.error + "\n";
@@ -715,7 +780,7 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < methods.size(); ++i)
             for (size_t f = 0; f < opt.budgets.size(); ++f) {
                 if (eo.done[i][f]) res[i][f].push_back(eo.m[i][f]);
-                else ok = false;
+                else if (left_out[i][f].empty()) ok = false;
             }
     }
     if (dump) std::fclose(dump);
@@ -728,22 +793,64 @@ int main(int argc, char** argv) {
     const std::string csv_path = stem + ".csv", pp_path = stem + "_per_prompt.csv";
     std::ofstream csv(csv_path), pp(pp_path);
     if (!csv || !pp) { std::fprintf(stderr, "error: cannot write %s\n", csv_path.c_str()); return 1; }
+    auto row_of = [&](const std::string& name) -> int {
+        for (size_t i = 0; i < methods.size(); ++i)
+            if (methods[i].name == name) return int(i);
+        return -1;
+    };
+    auto complete = [&](int i, size_t f) { return i >= 0 && res[size_t(i)][f].size() == prompts.size(); };
+    const size_t n_ex = prompts.size();
+    const double tc = t_critical_95(int(n_ex) - 1);
+    // Paired comparison of KL(row a at budget fa) with KL(row b at budget fb) over the same excerpts.
+    struct paired_kl {
+        double d = 0, se = 0, t = 0, p_sign = 1;
+        int wins = 0, losses = 0;  // excerpts where a's KL is lower / higher than b's
+        bool beyond = false;       // |t| > the two-sided 95% t of n - 1 df
+    };
+    auto compare = [&](int a, size_t fa, int b, size_t fb) {
+        paired_kl r;
+        std::vector<double> diff;
+        for (size_t p = 0; p < n_ex; ++p) {
+            const double x = res[size_t(a)][fa][p].kl, y = res[size_t(b)][fb][p].kl;
+            diff.push_back(x - y);
+            r.wins += x < y ? 1 : 0;
+            r.losses += x > y ? 1 : 0;
+        }
+        r.d = mean(diff);
+        r.se = std_error(diff);
+        r.t = r.se > 0 ? r.d / r.se : 0.0;
+        r.beyond = r.se > 0 ? std::fabs(r.t) > tc : r.d != 0;
+        r.p_sign = sign_test_p(r.wins, r.losses);
+        return r;
+    };
+    const int iref = row_of(opt.reference);
+    if (iref < 0) std::printf("note: --reference row %s is not in the run; no paired columns\n", opt.reference.c_str());
     csv << "method,keep_fraction,prompts,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean";
     for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_l" << l;
     for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_wo_l" << l;
     csv << ",kv_bytes,kv_bytes_full,kl_se,top1_se,match_se,oerr_wo_se,budget_tokens,oerr_wo_prop_mean";
     for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_wo_prop_l" << l;
-    csv << "\n";
-    pp << "method,keep_fraction,prompt,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean,kv_bytes\n";
-    std::printf("\n%-13s %5s %9s %8s %6s %6s %8s %8s %8s %9s %6s\n", "method", "keep", "KL", "+-se", "top1", "match", "oerr", "oerr_WO", "oerr_pr", "KV KiB", "kept");
-    std::printf("%-13s %5s %9s %8s %6s %6s %8s %8s %8s %9s %6s\n", "", "", "(nats)", "", "", "(tok)", "(iso)", "(iso)", "(prop)", "", "");
-    std::map<std::string, std::vector<std::vector<double>>> layer_err;  // name -> fraction -> per layer
-    int rows = 0;
+    csv << ",scored_tokens,reference,kl_diff_ref,kl_diff_ref_se,wins_ref,losses_ref,sign_p_ref\n";
+    pp << "method,keep_fraction,prompt,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean,kv_bytes,scored_tokens\n";
+    std::printf("\nKL of each row, and paired against %s on the same excerpts: d = mean of KL(row) - KL(%s), its standard error, "
+                "t = d / se (* beyond %.3f, the two-sided 95%% t with %zu df), wins = excerpts where the row's KL is lower, "
+                "p = two-sided sign test\n",
+                opt.reference.c_str(), opt.reference.c_str(), tc, n_ex > 0 ? n_ex - 1 : 0);
+    std::printf("\n%-14s %5s %6s %9s %8s %9s %8s %7s %7s %6s %6s %5s %8s %8s %6s\n", "method", "keep", "scored", "KL", "+-se", "d", "+-se",
+                "t", "wins", "p", "top1", "match", "oerr_WO", "KV KiB", "kept");
+    std::printf("%-14s %5s %6s %9s %8s %9s %8s %7s %7s %6s %6s %5s %8s %8s %6s\n", "", "", "(tok)", "(nats)", "", "(nats)", "", "", "", "(sign)",
+                "", "(tok)", "(iso)", "", "");
+    int rows = 0, skipped = 0;
     for (size_t i = 0; i < methods.size(); ++i) {
         for (size_t f = 0; f < opt.budgets.size(); ++f) {
             const double kf = opt.budgets[f].nominal_fraction(opt.prompt_tokens);
+            if (!left_out[i][f].empty()) {
+                std::printf("%-14s %5s left out: %s\n", methods[i].name.c_str(), opt.budgets[f].label().c_str(), left_out[i][f].c_str());
+                ++skipped;
+                continue;
+            }
             const auto& v = res[i][f];
-            if (v.size() != prompts.size()) { ok = false; continue; }
+            if (v.size() != n_ex) { ok = false; continue; }
             metrics a;
             std::vector<double> kl_p, top1_p, match_p, oerr_wo_p;  // per prompt, for the standard errors
             for (const metrics& x : v) {
@@ -760,22 +867,24 @@ int main(int argc, char** argv) {
             for (size_t p = 0; p < v.size(); ++p) {
                 const metrics& x = v[p];
                 a.kl += x.kl / n; a.top1 += x.top1 / n; a.match += x.match / n; a.kv_bytes += x.kv_bytes / n; a.oerr_prop += x.oerr_prop / n;
+                a.scored += x.scored / n;
                 for (int l = 0; l < c.n_layers; ++l) {
                     a.oerr[size_t(l)] += x.oerr[size_t(l)] / n;
                     a.oerr_wo[size_t(l)] += x.oerr_wo[size_t(l)] / n;
                     a.oerr_wo_prop[size_t(l)] += x.oerr_wo_prop[size_t(l)] / n;
                 }
                 pp << methods[i].name << ',' << kf << ',' << p << ',' << x.kl << ',' << x.top1 << ',' << x.match << ','
-                   << mean(x.oerr) << ',' << mean(x.oerr_wo) << ',' << x.oerr_prop << ',' << x.kv_bytes << '\n';
+                   << mean(x.oerr) << ',' << mean(x.oerr_wo) << ',' << x.oerr_prop << ',' << x.kv_bytes << ',' << x.scored << '\n';
             }
-            std::vector<double> all{a.kl, a.top1, a.match, a.kv_bytes, a.oerr_prop};
+            const bool paired = iref >= 0 && int(i) != iref && complete(iref, f) && n_ex >= 2;
+            const paired_kl pr = paired ? compare(int(i), f, iref, f) : paired_kl{};
+            std::vector<double> all{a.kl, a.top1, a.match, a.kv_bytes, a.oerr_prop, a.scored, pr.d, pr.se};
             all.insert(all.end(), a.oerr.begin(), a.oerr.end());
             all.insert(all.end(), a.oerr_wo.begin(), a.oerr_wo.end());
             all.insert(all.end(), {kl_se, top1_se, match_se, oerr_wo_se});
             all.insert(all.end(), a.oerr_wo_prop.begin(), a.oerr_wo_prop.end());
             for (double x : all)
                 if (!is_finite(x)) ok = false;
-            layer_err[methods[i].name].push_back(a.oerr);
             csv << methods[i].name << ',' << kf << ',' << v.size() << ',' << a.kl << ',' << a.top1 << ',' << a.match << ','
                 << mean(a.oerr) << ',' << mean(a.oerr_wo) << ',' << a.oerr_prop;
             for (double x : a.oerr) csv << ',' << x;
@@ -783,102 +892,118 @@ int main(int argc, char** argv) {
             csv << ',' << a.kv_bytes << ',' << full_bytes << ',' << kl_se << ',' << top1_se << ',' << match_se << ',' << oerr_wo_se << ','
                 << opt.budgets[f].tokens << ',' << mean(a.oerr_wo_prop);
             for (double x : a.oerr_wo_prop) csv << ',' << x;
+            csv << ',' << a.scored << ',' << (paired ? opt.reference : std::string()) << ',';
+            if (paired) csv << pr.d << ',' << pr.se << ',' << pr.wins << ',' << pr.losses << ',' << pr.p_sign;
+            else csv << ",,,,";
             csv << '\n';
-            std::printf("%-13s %5s %9.5f %8.5f %6.3f %6.1f %8.4f %8.4f %8.4f %9.1f %5.1f%%\n", methods[i].name.c_str(), opt.budgets[f].label().c_str(), a.kl,
-                        kl_se, a.top1, a.match, mean(a.oerr), mean(a.oerr_wo), a.oerr_prop, a.kv_bytes / 1024.0, 100.0 * a.kv_bytes / full_bytes);
+            char cmp[96];
+            if (paired) {
+                char wins[16], tt[16];
+                std::snprintf(wins, sizeof wins, "%d/%d", pr.wins, pr.wins + pr.losses);
+                std::snprintf(tt, sizeof tt, "%+.1f%s", pr.t, pr.beyond ? "*" : " ");
+                std::snprintf(cmp, sizeof cmp, "%+9.5f %8.5f %7s %7s %6.3f", pr.d, pr.se, tt, wins, pr.p_sign);
+            } else {
+                std::snprintf(cmp, sizeof cmp, "%9s %8s %7s %7s %6s", int(i) == iref ? "(ref)" : "-", "", "", "", "");
+            }
+            std::printf("%-14s %5s %6.1f %9.5f %8.5f %s %6.3f %5.1f %8.4f %8.1f %5.1f%%\n", methods[i].name.c_str(), opt.budgets[f].label().c_str(),
+                        a.scored, a.kl, kl_se, cmp, a.top1, a.match, mean(a.oerr_wo), a.kv_bytes / 1024.0, 100.0 * a.kv_bytes / full_bytes);
             ++rows;
         }
     }
     csv.close();
     pp.close();
-    std::printf("\nfull cache: %.1f KiB of fp32 K+V per prompt. KL, top1 and match over %d teacher-forced steps; oerr = mean over "
-                "layers of ||o - o_ev|| / ||o|| at the first decoding step.\n",
+    std::printf("\nfull cache: %.1f KiB of fp32 K+V per prompt. scored = kept tokens per head chosen by score (the rest are kept by "
+                "rule: window, sinks, recent); KL, top1 and match over %d teacher-forced steps; oerr_WO = mean over layers of "
+                "||W_O (o - o_ev)|| / ||W_O o|| at the first decoding step; kept = KV bytes against the GQA-native full cache.\n",
                 full_bytes / 1024.0, opt.steps);
 
-    // ReST-KV vs SnapKV per layer, with the oracle as the floor (the diagnostic docs/fidelity.md discusses)
-    auto row_of = [&](const char* name) -> int {
-        for (size_t i = 0; i < methods.size(); ++i)
-            if (methods[i].name == name) return int(i);
-        return -1;
-    };
-    const int ir = row_of("ReST-KV"), is = row_of("SnapKV"), io = row_of("Oracle-W");
+    // ReST-KV vs SnapKV per layer, with Greedy-W beside them (the diagnostic docs/fidelity.md discusses)
+    const int ir = row_of("ReST-KV"), is = row_of("SnapKV"), io = row_of("Greedy-W");
     if (ir >= 0 && is >= 0) {
         std::printf("\nper-layer oerr (isolated), ReST-KV / SnapKV%s; wins = (prompt, layer) pairs where ReST-KV's error is lower:\n",
-                    io >= 0 ? " / Oracle-W" : "");
+                    io >= 0 ? " / Greedy-W" : "");
         for (size_t f = 0; f < opt.budgets.size(); ++f) {
+            if (!complete(ir, f) || !complete(is, f)) continue;
             const auto& R = res[size_t(ir)][f];
             const auto& S = res[size_t(is)][f];
-            if (R.size() != prompts.size() || S.size() != prompts.size()) continue;
             std::printf("keep %4s:", opt.budgets[f].label().c_str());
             int wins = 0, pairs = 0;
             for (int l = 0; l < c.n_layers; ++l) {
-                double r = 0, s = 0, o = 0;
-                for (size_t p = 0; p < prompts.size(); ++p) {
-                    r += R[p].oerr[size_t(l)] / double(prompts.size());
-                    s += S[p].oerr[size_t(l)] / double(prompts.size());
-                    if (io >= 0 && res[size_t(io)][f].size() == prompts.size()) o += res[size_t(io)][f][p].oerr[size_t(l)] / double(prompts.size());
+                double r = 0, sv = 0, o = 0;
+                for (size_t p = 0; p < n_ex; ++p) {
+                    r += R[p].oerr[size_t(l)] / double(n_ex);
+                    sv += S[p].oerr[size_t(l)] / double(n_ex);
+                    if (complete(io, f)) o += res[size_t(io)][f][p].oerr[size_t(l)] / double(n_ex);
                     wins += R[p].oerr[size_t(l)] < S[p].oerr[size_t(l)] ? 1 : 0;
                     pairs += R[p].oerr[size_t(l)] != S[p].oerr[size_t(l)] ? 1 : 0;
                 }
-                std::printf(" L%d %.4f/%.4f", l, r, s);
-                if (io >= 0) std::printf("/%.4f", o);
+                std::printf(" L%d %.4f/%.4f", l, r, sv);
+                if (complete(io, f)) std::printf("/%.4f", o);
             }
             std::printf("  wins %d of %d\n", wins, pairs);
         }
     }
-    // Paired comparisons of KL over the same excerpts: every row against the best row of its keep
-    // fraction (lowest mean KL, oracles and the random floor left out), and the pairs the text of
-    // docs/fidelity.md states. d = mean over excerpts of KL(row) - KL(other), se its standard error,
-    // t = d / se; "beyond noise" when |t| > the two-sided 95% Student t of n - 1 degrees of freedom.
-    if (prompts.size() >= 2) {
-        const double tc = t_critical_95(int(prompts.size()) - 1);
-        // d +- se of KL(row a at fraction fa) - KL(row b at fraction fb) over the excerpts; true when beyond noise
-        auto paired = [&](int a, size_t fa, int b, size_t fb, double& d, double& se) {
-            std::vector<double> diff;
-            for (size_t p = 0; p < prompts.size(); ++p) diff.push_back(res[size_t(a)][fa][p].kl - res[size_t(b)][fb][p].kl);
-            d = mean(diff);
-            se = std_error(diff);
-            return se > 0 ? std::fabs(d) / se > tc : d != 0;
+    if (n_ex >= 2) {
+        auto show = [&](const paired_kl& r) {
+            std::printf("%+.5f+-%.5f%s (%d/%d, p %.3f)", r.d, r.se, r.beyond ? "*" : "", r.wins, r.wins + r.losses, r.p_sign);
         };
-        auto complete = [&](int i, size_t f) { return i >= 0 && res[size_t(i)][f].size() == prompts.size(); };
-        auto is_reference = [&](const std::string& n) { return n.rfind("Oracle", 0) == 0 || n == "Random"; };
-        std::printf("\npaired KL differences over the %zu excerpts (d = row - other, +-se; * = beyond noise: |d / se| > %.3f, the "
-                    "two-sided 95%% t with %zu df):\n",
-                    prompts.size(), tc, prompts.size() - 1);
-        for (size_t f = 0; f < opt.budgets.size(); ++f) {
-            int best = -1;
-            double best_kl = 0;
-            for (size_t i = 0; i < methods.size(); ++i) {
-                if (is_reference(methods[i].name) || !complete(int(i), f)) continue;
-                double k = 0;
-                for (const metrics& x : res[i][f]) k += x.kl / double(prompts.size());
-                if (best < 0 || k < best_kl) { best = int(i); best_kl = k; }
+        // Against the reference: which rows are beyond noise (both tests), per budget.
+        if (iref >= 0) {
+            std::printf("\nagainst %s, beyond noise by the paired t test (|t| > %.3f) and by the sign test (p < 0.05):\n", opt.reference.c_str(), tc);
+            for (size_t f = 0; f < opt.budgets.size(); ++f) {
+                if (!complete(iref, f)) continue;
+                std::string lower, higher;
+                int within = 0;
+                for (size_t i = 0; i < methods.size(); ++i) {
+                    if (int(i) == iref || !complete(int(i), f)) continue;
+                    const paired_kl r = compare(int(i), f, iref, f);
+                    if (r.beyond && r.p_sign < 0.05) (r.d < 0 ? lower : higher) += " " + methods[i].name;
+                    else ++within;
+                }
+                std::printf("keep %4s: lower KL:%s; higher KL:%s; %d rows not shown different\n", opt.budgets[f].label().c_str(),
+                            lower.empty() ? " none" : lower.c_str(), higher.empty() ? " none" : higher.c_str(), within);
             }
-            if (best < 0) continue;
-            std::printf("keep %4s, against the best row %s:", opt.budgets[f].label().c_str(), methods[size_t(best)].name.c_str());
-            int tied = 0;
-            for (size_t i = 0; i < methods.size(); ++i) {
-                if (int(i) == best || is_reference(methods[i].name) || !complete(int(i), f)) continue;
-                double d, se;
-                const bool beyond = paired(int(i), f, best, f, d, se);
-                if (!beyond) ++tied;
-                std::printf(" %s %+.5f+-%.5f%s", methods[i].name.c_str(), d, se, beyond ? "*" : "");
-            }
-            std::printf("  (%d rows within noise of the best)\n", tied);
         }
-        const std::pair<const char*, const char*> claims[] = {{"ReST-KV", "SnapKV"},         {"AdaKV", "SnapKV"},     {"LKV", "ReST-KV"},
-                                                              {"LKV", "AdaKV"},              {"Oracle-W", "ReST-KV"}, {"Oracle-W", "LKV"},
-                                                              {"ReST-KV-pqh", "ReST-KV"},    {"SnapKV-pqh", "SnapKV"}, {"AdaKV-pub", "AdaKV-mp7"},
-                                                              {"Oracle-W-pqh", "Oracle-W"}};
+        // Greedy-W is a search, not a bound: the rows and excerpts that beat it.
+        if (io >= 0) {
+            std::printf("\nGreedy-W is not a bound; rows with a lower mean KL, and excerpts where some other row has a lower KL:\n");
+            for (size_t f = 0; f < opt.budgets.size(); ++f) {
+                if (!complete(io, f)) continue;
+                std::string below;
+                int beaten = 0;
+                double g = 0;
+                for (size_t p = 0; p < n_ex; ++p) g += res[size_t(io)][f][p].kl / double(n_ex);
+                for (size_t i = 0; i < methods.size(); ++i) {
+                    if (int(i) == io || !complete(int(i), f)) continue;
+                    double k = 0;
+                    for (size_t p = 0; p < n_ex; ++p) k += res[i][f][p].kl / double(n_ex);
+                    if (k < g) below += " " + methods[i].name;
+                }
+                for (size_t p = 0; p < n_ex; ++p) {
+                    bool any = false;
+                    for (size_t i = 0; i < methods.size() && !any; ++i)
+                        any = int(i) != io && complete(int(i), f) && res[i][f][p].kl < res[size_t(io)][f][p].kl;
+                    beaten += any ? 1 : 0;
+                }
+                std::printf("keep %4s: lower mean KL:%s; beaten on %d of %zu excerpts\n", opt.budgets[f].label().c_str(),
+                            below.empty() ? " none" : below.c_str(), beaten, n_ex);
+            }
+        }
+        // The pairs docs/fidelity.md states, with the same statistics.
+        const std::pair<const char*, const char*> claims[] = {
+            {"ReST-KV", "SnapKV"},          {"AdaKV", "SnapKV"},         {"CriticalAdaKV", "AdaKV-pub"}, {"LKV", "AdaKV-pub"},
+            {"LKV", "ReST-KV"},             {"LKV", "AdaKV"},            {"Greedy-W", "ReST-KV"},        {"Greedy-W", "LKV"},
+            {"ReST-KV-pqh", "ReST-KV"},     {"SnapKV-pqh", "SnapKV"},    {"SnapKV-mp7-pqh", "SnapKV-pqh"}, {"AdaKV-pub", "AdaKV-mp7"},
+            {"Greedy-W-pqh", "Greedy-W"}};
+        std::printf("\npairs (d = first - second, +-se, * = beyond the t test; wins of the first / excerpts that differ, sign-test p):\n");
         for (const auto& cl : claims) {
             const int a = row_of(cl.first), b = row_of(cl.second);
             if (a < 0 || b < 0) continue;
             std::printf("%s - %s:", cl.first, cl.second);
             for (size_t f = 0; f < opt.budgets.size(); ++f) {
                 if (!complete(a, f) || !complete(b, f)) continue;
-                double d, se;
-                const bool beyond = paired(a, f, b, f, d, se);
-                std::printf("  %s %+.5f+-%.5f%s", opt.budgets[f].label().c_str(), d, se, beyond ? "*" : "");
+                std::printf("  %s ", opt.budgets[f].label().c_str());
+                show(compare(a, f, b, f));
             }
             std::printf("\n");
         }
@@ -894,16 +1019,15 @@ int main(int argc, char** argv) {
                     const budget_spec &x = opt.budgets[f], &y = opt.budgets[g];
                     const bool equal = x.tokens > 0 ? y.tokens == G * x.tokens : y.tokens == 0 && std::fabs(y.fraction - G * x.fraction) < 1e-9;
                     if (!equal || !complete(a, f) || !complete(b, g)) continue;
-                    double d, se;
-                    const bool beyond = paired(a, f, b, g, d, se);
                     if (!any) std::printf("%s - %s at equal KV bytes (%s at keep f, %s at %d f):", cl.first, cl.second, cl.first, cl.second, G);
                     any = true;
-                    std::printf("  %s vs %s %+.5f+-%.5f%s", x.label().c_str(), y.label().c_str(), d, se, beyond ? "*" : "");
+                    std::printf("  %s vs %s ", x.label().c_str(), y.label().c_str());
+                    show(compare(a, f, b, g));
                 }
             if (any) std::printf("\n");
         }
     }
-    const int expected = int(methods.size() * opt.budgets.size());
+    const int expected = int(methods.size() * opt.budgets.size()) - skipped;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("self-check (unevicted cache, isolated attention vs forward()): max rel err %.2e\n", self_check);
     // File names only: the table is copied into docs/ (scripts/fidelity.sh --update-docs), where the

@@ -43,14 +43,15 @@ struct register_method {
 /// The built-in rows, papers' default parameters, window 32 (H2O: every prompt query). Defined in
 /// methods_builtin.cpp, compiled once for every report program (the evictors of every preset are
 /// instantiated there, not in each program's translation unit).
-std::vector<registered_method> builtin_methods();
+/// `full`: also the rows that cost most and say least (Greedy-W-pqh), kvevict_fidelity --full.
+std::vector<registered_method> builtin_methods(bool full = false);
 
 /// ReST-KV ablation rows (kvevict_fidelity --ablations), one change each from the published defaults,
 /// along the paper's ablation axes. Diagnostics only: the report's ReST-KV row keeps the defaults.
 std::vector<registered_method> restkv_ablation_methods();
 
 /// Built-in rows followed by the registered ones, sorted by order (stable).
-/// `ablations`: also the ReST-KV ablation rows.
-std::vector<kvevict_engine::method> report_methods(bool ablations = false);
+/// `ablations`: also the ReST-KV ablation rows; `full`: builtin_methods(full).
+std::vector<kvevict_engine::method> report_methods(bool ablations = false, bool full = false);
 
 }  // namespace kvevict_fidelity

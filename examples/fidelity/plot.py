@@ -28,14 +28,14 @@ def is_learned(name):
 
 
 def is_reference(name):
-    return name.startswith("Oracle") or name == "Random"
+    return name.startswith("Greedy") or name == "Random"
 
 
 def pqh_base(name):
     """The GQA-native row a per-query-head row is the repeated-cache form of, or None."""
     if name == "AdaKV-pub":
         return "AdaKV-mp7"
-    return name[:-4] if name.endswith("-pqh") and not name.startswith("Oracle") else None
+    return name[:-4] if name.endswith("-pqh") and not name.startswith("Greedy") else None
 
 
 def styles_for(methods):
@@ -52,7 +52,7 @@ def styles_for(methods):
     for m in methods:
         if m == "Random":
             out[m] = dict(color="grey", marker="x", linestyle=":")
-        elif m.startswith("Oracle"):
+        elif m.startswith("Greedy"):
             out[m] = dict(color="black", marker=["*", "X", "+"][oracle_i % 3], linestyle=["--", "-.", ":"][oracle_i % 3])
             oracle_i += 1
         elif is_learned(m):

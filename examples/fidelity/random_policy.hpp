@@ -53,10 +53,15 @@ inline kvevict_engine::method random_method(std::string name = "Random", std::ui
     kvevict_engine::method m;
     m.name = std::move(name);
     m.window = window;
-    m.evict = [seed, window](const kvevict_engine::layer_state& s) {
+    auto run = [seed](const kvevict_engine::layer_state& s, int w) {
         random_policy::params p = random_policy::defaults();
         p.scorer.seed = random_scorer::mix(seed + std::uint64_t(s.layer) * 0x632be59bd9b4e019ull);
-        return kvevict_engine::evict_layer<random_policy>(s, p, window);
+        return kvevict_engine::evict_layer<random_policy>(s, p, w);
+    };
+    m.evict = [run, window](const kvevict_engine::layer_state& s) { return run(s, window); };
+    m.evict_with_window = run;
+    m.plan = [](const kvevict::budget_request& req, std::int64_t length, int w) {
+        return kvevict::detail::plan_head(req, random_policy::defaults().selector, length, std::min<std::int64_t>(w, length));
     };
     return m;
 }
