@@ -8,6 +8,7 @@
 #   scripts/fidelity.sh                  # full report: table on stdout, CSV + PNG in build-fidelity/report/
 #   scripts/fidelity.sh --smoke          # any kvevict_fidelity flag is passed through; a smoke run's files
 #                                        # are fidelity_smoke*.{txt,csv,png}, beside (never over) the full report
+#   scripts/fidelity.sh --full           # also the costly rows (Greedy-W-pqh) and decoding at beta 1
 #   scripts/fidelity.sh --update-docs    # also copy tables, CSVs and PNGs to docs/ (fidelity.md's figures;
 #                                        # the KJV report's as docs/fidelity_kjv*)
 #
@@ -22,10 +23,12 @@ out=${KVEVICT_FIDELITY_OUT:-$build/report}
 update_docs=0
 smoke=0
 own_text=0
+full=0
 args=()
 for a in "$@"; do
   if [[ $a == --update-docs ]]; then update_docs=1; else args+=("$a"); fi
   if [[ $a == --smoke ]]; then smoke=1; fi
+  if [[ $a == --full ]]; then full=1; fi
   if [[ $a == --text || $a == --prompt-file ]]; then own_text=1; fi
   if [[ $a == --out ]]; then
     echo "error: scripts/fidelity.sh picks the report folder (KVEVICT_FIDELITY_OUT=DIR); no --out" >&2
@@ -85,22 +88,26 @@ else
   echo "warning: no King James Bible text (scripts/kjv_text.sh failed: scripts/setup.sh main installs bible-kjv); Sherlock report only" >&2
 fi
 # The decoding section (kvevict_decoding, docs/fidelity.md "Decoding"): decode-time eviction on Sherlock excerpts,
-# every preset and the LKV decoding modes, caps 10/20/30% of the 512-token context, beta 1/16/64 (~1.5 CPU-min).
+# every preset and the LKV decoding modes, caps 10/20/30% of the 512-token context, beta 16/64 (--full: also beta 1,
+# an eviction per token, 4x the time of the other two).
 dec_args=()
 dec_stem=decoding
 if [[ $smoke == 1 ]]; then dec_args=(--smoke); dec_stem=decoding_smoke; fi
+if [[ $full == 1 && $smoke == 0 ]]; then dec_args=(--intervals 1,16,64); fi
 echo
 "$build/examples/fidelity/kvevict_decoding" --out "$out" ${dec_args[@]+"${dec_args[@]}"} | tee "$out/${dec_stem}_table.txt"
 if [[ $update_docs == 1 ]]; then
   cp "$out/decoding.csv" "$root/docs/decoding.csv"
   cp "$out/decoding_table.txt" "$root/docs/decoding_table.txt"
   cp "$out/fidelity.csv" "$root/docs/fidelity.csv"
+  cp "$out/fidelity_per_prompt.csv" "$root/docs/fidelity_per_prompt.csv"
   cp "$out/fidelity_table.txt" "$root/docs/fidelity_table.txt"
   [[ -f $out/fidelity_kl.png ]] && cp "$out/fidelity_kl.png" "$root/docs/fidelity_kl.png"
   if [[ $kjv == 1 ]]; then
     cp "$out/kjv/fidelity.csv" "$root/docs/fidelity_kjv.csv"
+    cp "$out/kjv/fidelity_per_prompt.csv" "$root/docs/fidelity_kjv_per_prompt.csv"
     cp "$out/kjv/fidelity_table.txt" "$root/docs/fidelity_kjv_table.txt"
     [[ -f $out/kjv/fidelity_kl.png ]] && cp "$out/kjv/fidelity_kl.png" "$root/docs/fidelity_kjv_kl.png"
   fi
-  echo "updated docs/fidelity{,_kjv}.csv, docs/fidelity{,_kjv}_table.txt, docs/fidelity{,_kjv}_kl.png, docs/decoding{.csv,_table.txt}"
+  echo "updated docs/fidelity{,_kjv}.csv, docs/fidelity{,_kjv}_per_prompt.csv, docs/fidelity{,_kjv}_table.txt, docs/fidelity{,_kjv}_kl.png, docs/decoding{.csv,_table.txt}"
 fi

@@ -178,6 +178,38 @@ inline result make_excerpts(const tokenizer& tok, const std::string& text, int n
     return result::success();
 }
 
+// ---- statistics over excerpts (the report tables) ----
+inline double mean(const std::vector<double>& v) {
+    double s = 0;
+    for (double x : v) s += x;
+    return v.empty() ? 0.0 : s / double(v.size());
+}
+/// Standard error of the mean of v (sample standard deviation / sqrt(n)); 0 for fewer than 2 values.
+inline double std_error(const std::vector<double>& v) {
+    if (v.size() < 2) return 0.0;
+    const double mu = mean(v);
+    double ss = 0;
+    for (double x : v) ss += (x - mu) * (x - mu);
+    return std::sqrt(ss / double(v.size() - 1) / double(v.size()));
+}
+/// Two-sided 95% critical value of Student's t with df degrees of freedom (df >= 1).
+inline double t_critical_95(int df) {
+    static const double t[30] = {12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+                                 2.201,  2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+                                 2.080,  2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042};
+    return df < 1 ? 0.0 : df <= 30 ? t[df - 1] : 1.96 + 2.5 / double(df);
+}
+
+/// Two-sided exact sign test: the probability, under a fair coin, of a split of wins + losses at least
+/// as uneven as the one seen (ties dropped before). 1 when there is nothing to test.
+inline double sign_test_p(int wins, int losses) {
+    const int n = wins + losses, k = std::min(wins, losses);
+    if (n == 0) return 1.0;
+    double tail = 0;  // P(X <= k), X ~ Binomial(n, 1/2), from log-binomials
+    for (int i = 0; i <= k; ++i) tail += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) - n * std::log(2.0));
+    return std::min(1.0, 2.0 * tail);
+}
+
 /// log-softmax in fp64.
 inline std::vector<double> log_softmax(const std::vector<float>& x) {
     double mx = -std::numeric_limits<double>::infinity();

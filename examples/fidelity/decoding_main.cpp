@@ -52,9 +52,10 @@ namespace {
 
 struct options {
     std::string model_flag, data_flag, text_flag, out_dir = ".", only, artifact_flag, decode_artifact_flag, dump;
-    int prompts = 6, prompt_tokens = 96, context = 0, threads = 2;  // context 0: the model's seq_len
+    int prompts = 32, prompt_tokens = 96, context = 0, threads = 2;  // context 0: the model's seq_len
     std::vector<double> keeps{0.1, 0.2, 0.3};
-    std::vector<int> intervals{1, 16, 64};
+    std::vector<int> intervals{16, 64};  // beta 1 (an eviction per token) costs 4x the rest: --intervals 1,16,64
+    std::string exclude, reference = "SnapKV";
     bool smoke = false;
 };
 
@@ -63,16 +64,18 @@ int usage(const char* argv0, const std::string& why) {
     std::fprintf(stderr,
                  "usage: %s [--smoke] [--model DIR] [--data DIR] [--text FILE] [--out DIR] [--prompts N] [--prompt-tokens N]\n"
                  "          [--context N] [--keeps F,F,..] [--intervals S,S,..] [--methods NAME,..] [--artifact FILE]\n"
-                 "          [--decode-artifact FILE] [--threads N] [--dump FILE]\n"
+                 "          [--decode-artifact FILE] [--threads N] [--dump FILE] [--exclude-windows FILE|none] [--reference NAME]\n"
                  "  --model DIR        model folder (default $KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K)\n"
                  "  --data DIR         folder with sherlock.txt (default $KVEVICT_DATA_DIR, else <repo>/../shared/data/text)\n"
                  "  --text FILE        the prose the excerpts come from instead of <data>/sherlock.txt\n"
                  "  --out DIR          where decoding.csv and decoding_per_prompt.csv go (default .)\n"
-                 "  --prompts N        excerpts (default 6: the fidelity report's)\n"
+                 "  --prompts N        excerpts (default 32: the fidelity report's, LKV's training contexts left out)\n"
+                 "  --exclude-windows FILE  byte windows no excerpt may overlap (default <repo>/artifacts/lkv/train_windows.txt); none\n"
+                 "  --reference NAME   the row others are compared with per excerpt, same cap and beta (default SnapKV)\n"
                  "  --prompt-tokens N  prompt tokens, BOS included, 2..448 (default 96)\n"
                  "  --context N        positions prompt + generated (default: the model's context, 512)\n"
                  "  --keeps LIST       caps as fractions of the context, per head (default 0.1,0.2,0.3)\n"
-                 "  --intervals LIST   decode-time eviction every beta generated tokens (default 1,16,64)\n"
+                 "  --intervals LIST   decode-time eviction every beta generated tokens (default 16,64; beta 1 costs 4x the rest)\n"
                  "  --methods LIST     only these rows (names as printed; 'LKV mode A' etc. for the LKV sessions)\n"
                  "  --artifact FILE    LKV tables (default $KVEVICT_LKV_ARTIFACT, else <repo>/artifacts/lkv/stories260K.lkv)\n"
                  "  --decode-artifact FILE  LKV tables trained for decoding, rows 'LKVd ...' (default $KVEVICT_LKV_DECODE_ARTIFACT,\n"
@@ -189,6 +192,8 @@ int main(int argc, char** argv) {
         else if (a == "--artifact") opt.artifact_flag = v;
         else if (a == "--decode-artifact") opt.decode_artifact_flag = v;
         else if (a == "--dump") opt.dump = v;
+        else if (a == "--exclude-windows") opt.exclude = v;
+        else if (a == "--reference") opt.reference = v;
         else if (a == "--keeps") keeps_flag = v;
         else if (a == "--intervals") intervals_flag = v;
         else if (a == "--prompts") prompts_flag = v;
@@ -242,7 +247,18 @@ int main(int argc, char** argv) {
     {
         std::ifstream tf(text_path, std::ios::binary);
         const std::string text{std::istreambuf_iterator<char>(tf), std::istreambuf_iterator<char>()};
-        if (result r = make_prompts(tok, text, opt.prompts, 448, prompts); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 1; }
+        // the fidelity report's excerpts (LKV's training contexts left out), their first prompt_tokens tokens
+        excluded_windows ex;
+        if (opt.exclude != "none") {
+            const std::string path = opt.exclude.empty() ? std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/train_windows.txt" : opt.exclude;
+            if (result r = read_excluded_windows(path, text, ex); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 2; }
+        }
+        std::vector<size_t> starts;
+        int left = 0;
+        if (result r = make_excerpts(tok, text, opt.prompts, 448, ex.windows, prompts, 0, nullptr, left, starts); !r) {
+            std::fprintf(stderr, "error: %s\n", r.error.c_str());
+            return 1;
+        }
         for (auto& p : prompts) p.resize(size_t(opt.prompt_tokens));
     }
     wo_factors wo;
@@ -297,7 +313,7 @@ int main(int argc, char** argv) {
     std::vector<int> caps;
     for (double k : opt.keeps) caps.push_back(std::max(1, int(std::floor(k * double(opt.context)))));
 
-    std::printf("kvevict decoding: stories260K (%d layers x %d KV heads), %d excerpts of %s (the fidelity report's), %d-token prompts, "
+    std::printf("kvevict decoding: stories260K (%d layers x %d KV heads), %d excerpts of %s (the fidelity report's rule), %d-token prompts, "
                 "greedy continuation of the full cache to %d positions (%d generated, teacher-forced); cap B = keep x %d tokens per head, "
                 "evicted after the prefill and every beta generated tokens (kvevict::decode_schedule)\n",
                 c.n_layers, c.n_kv_heads, opt.prompts, std::filesystem::path(text_path).filename().c_str(), opt.prompt_tokens, opt.context, S,
@@ -349,7 +365,36 @@ int main(int argc, char** argv) {
     std::filesystem::create_directories(opt.out_dir);
     const std::string stem = opt.smoke ? "decoding_smoke" : "decoding";
     std::ofstream csv(opt.out_dir + "/" + stem + ".csv"), pcsv(opt.out_dir + "/" + stem + "_per_prompt.csv");
-    csv << "method,keep,cap_tokens,interval,kl,kl_se,top1,peak_kv_tokens,peak_tokens_per_head,peak_share_of_full,evictions\n";
+    csv << "method,keep,cap_tokens,interval,kl,kl_se,top1,peak_kv_tokens,peak_tokens_per_head,peak_share_of_full,evictions,"
+           "reference,kl_diff_ref,kl_diff_ref_se,wins_ref,losses_ref,sign_p_ref\n";
+    int iref = -1;
+    for (size_t r = 0; r < rows.size(); ++r)
+        if (rows[r].name == opt.reference) iref = int(r);
+    if (iref < 0) std::printf("note: --reference row %s is not in the run; no paired comparisons\n", opt.reference.c_str());
+    struct paired {
+        bool valid = false, beyond = false;
+        double d = 0, se = 0, p = 1;
+        int wins = 0, losses = 0;
+    };
+    // row r against the reference at cap k and interval b (LKV mode A: its one column against the reference's first)
+    auto compare = [&](size_t r, int ref, size_t k, size_t b) {
+        paired out;
+        if (ref < 0 || int(r) == ref || prompts.size() < 2) return out;
+        const size_t rb = rows[size_t(ref)].has_interval ? b : 0;
+        std::vector<double> diff;
+        for (size_t p = 0; p < prompts.size(); ++p) {
+            const double x = at(r, k, b, p).kl, y = at(size_t(ref), k, rb, p).kl;
+            diff.push_back(x - y);
+            out.wins += x < y ? 1 : 0;
+            out.losses += x > y ? 1 : 0;
+        }
+        out.valid = true;
+        out.d = mean(diff);
+        out.se = std_error(diff);
+        out.beyond = out.se > 0 ? std::fabs(out.d / out.se) > t_critical_95(int(prompts.size()) - 1) : out.d != 0;
+        out.p = sign_test_p(out.wins, out.losses);
+        return out;
+    };
     pcsv << "method,keep,cap_tokens,interval,prompt,kl,top1,peak_kv_tokens,evictions\n";
     bool complete = true;
     const double P = double(prompts.size());
@@ -386,10 +431,35 @@ int main(int argc, char** argv) {
                 const double se = P > 1 ? std::sqrt(std::max(0.0, kl2 - kl * kl) / (P - 1)) : 0.0;
                 complete = complete && std::isfinite(kl) && std::isfinite(se);
                 csv << '"' << rows[r].name << "\"," << opt.keeps[k] << ',' << caps[k] << ',' << (rows[r].has_interval ? opt.intervals[b] : 0) << ','
-                    << kl << ',' << se << ',' << top1 << ',' << peak << ',' << double(peak) / N << ',' << double(peak) / full_end << ',' << ev << '\n';
-                std::printf(" | %10.5f %6.3f %6.1f", kl, top1, double(peak) / N);
+                    << kl << ',' << se << ',' << top1 << ',' << peak << ',' << double(peak) / N << ',' << double(peak) / full_end << ',' << ev;
+                const paired d = compare(r, iref, k, b);
+                if (d.valid) csv << ',' << opt.reference << ',' << d.d << ',' << d.se << ',' << d.wins << ',' << d.losses << ',' << d.p;
+                else csv << ",,,,,,";
+                csv << '\n';
+                if (ev == 0) std::printf(" | %10s %6s %6s", "(no evict.)", "", "");  // the cap holds the whole run: the full cache
+                else std::printf(" | %10.5f %6.3f %6.1f", kl, top1, double(peak) / N);
             }
             std::printf("\n");
+        }
+        // paired against the reference row at the same cap and beta, excerpt by excerpt
+        if (iref >= 0) {
+            std::printf("paired against %s (same cap and beta; d = mean KL(row) - KL(%s) +- its SE, * beyond the 95%% t with %d df; "
+                        "wins of the row / excerpts that differ, two-sided sign-test p):\n",
+                        opt.reference.c_str(), opt.reference.c_str(), int(P) - 1);
+            for (size_t r = 0; r < rows.size(); ++r) {
+                if (int(r) == iref) continue;
+                std::string line;
+                for (size_t b = 0; b < opt.intervals.size(); ++b) {
+                    if (!rows[r].has_interval && b > 0) continue;
+                    const paired d = compare(r, iref, k, b);
+                    if (!d.valid) continue;
+                    char buf[128];
+                    std::snprintf(buf, sizeof buf, "  b=%d %+.5f+-%.5f%s (%d/%d, p %.3f)", opt.intervals[b], d.d, d.se, d.beyond ? "*" : "", d.wins,
+                                  d.wins + d.losses, d.p);
+                    line += buf;
+                }
+                if (!line.empty()) std::printf("  %-16s%s\n", rows[r].name.c_str(), line.c_str());
+            }
         }
     }
     if (!opt.dump.empty()) {  // lines: prompt <p> <tokens>; fed <p> <tokens>; kl <row> <keep> <cap> <interval> <p> <KL>

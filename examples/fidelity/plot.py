@@ -1,16 +1,21 @@
 #!/usr/bin/python3
-"""Plot the fidelity report: KL(full || evicted) vs keep fraction with the standard error over the
-excerpts as error bars (left), and the mean per-layer relative attention-output error at the first
-decoding step (right).
+"""Plot the fidelity report: KL(full || evicted) against the KV memory each row keeps, one panel per family.
 
 Usage: plot.py fidelity.csv out.png [TEXT]    (TEXT names the excerpts' source in the title; default
 "Sherlock Holmes")
-Reads the CSV written by kvevict_fidelity (columns method, keep_fraction, kl_mean, kl_se, oerr_mean, ...).
+Reads the CSV written by kvevict_fidelity (method, keep_fraction, prompts, kl_mean, kv_bytes, reference,
+kl_diff_ref_se, ...).
 
-Every row has a style of its own: training-free methods solid lines, learned (LKV) rows dashed, the
-per-query-head rows (on a cache repeated to q_heads: "-pqh", AdaKV-pub) dotted in the colour of their
-GQA-native row with a hollow marker, the oracles black and the random floor grey (references, not
-methods); colour, marker and line together tell rows apart, so no two rows look the same.
+- x: kept fp32 K+V bytes per sequence (KiB, all layers), so a per-query-head row (on a cache repeated to
+  q_heads: "-pqh", AdaKV-pub) sits at G times the memory of the GQA-native row of the same keep fraction;
+  y: mean KL per token over the excerpts. Both axes logarithmic.
+- Error bars: +- the standard error of the paired difference to the reference row (the CSV's
+  reference column, SnapKV by default), the uncertainty the report's comparisons use; the reference row
+  itself has none.
+- Panels: training-free methods on the GQA cache (window-attention scores; other scores); the published
+  per-query-head forms; learned rows (LKV); references (greedy searches, the random floor), each with the
+  reference row drawn in grey for scale.
+  At most 8 rows per panel, each a distinct colour and marker.
 """
 import csv
 import sys
@@ -20,53 +25,25 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-MARKERS = ["o", "s", "^", "v", "D", "P", "X", "<", ">", "p", "h", "*", "d", "8"]
+MARKERS = ["o", "s", "^", "v", "D", "P", "X", "<"]
+MAX_PER_PANEL = 8
 
 
-def is_learned(name):
-    return "LKV" in name
+def family(name):
+    if name.startswith("Greedy") or name == "Random":
+        return "references: greedy searches and the random floor"
+    if "LKV" in name:
+        return "learned (LKV; trained on other Sherlock excerpts)"
+    if name.endswith("-pqh") or name == "AdaKV-pub":
+        return "published per-query-head forms (G x the memory)"
+    if name in ("H2O", "TOVA", "StreamingLLM", "KeyNorm"):
+        return "training-free, other scores (GQA cache)"
+    return "training-free, window attention (GQA cache)"
 
 
-def is_reference(name):
-    return name.startswith("Greedy") or name == "Random"
-
-
-def pqh_base(name):
-    """The GQA-native row a per-query-head row is the repeated-cache form of, or None."""
-    if name == "AdaKV-pub":
-        return "AdaKV-mp7"
-    return name[:-4] if name.endswith("-pqh") and not name.startswith("Greedy") else None
-
-
-def styles_for(methods):
-    """One (colour, marker, linestyle) per row: tab10 for training-free rows, Dark2 for the learned
-    rows (dashed: no colour is shared with a training-free row of the same marker), black for the
-    oracles, grey for the random floor."""
-    cmap, lcmap = plt.get_cmap("tab10"), plt.get_cmap("Dark2")
-    extra = ["navy", "maroon", "darkolivegreen", "indigo"]  # past tab10's 10 colours: no colour repeats
-
-    def free_colour(i):
-        return cmap(i) if i < 10 else extra[(i - 10) % len(extra)]
-
-    out, free_i, learned_i, oracle_i = {}, 0, 0, 0
-    for m in methods:
-        if m == "Random":
-            out[m] = dict(color="grey", marker="x", linestyle=":")
-        elif m.startswith("Greedy"):
-            out[m] = dict(color="black", marker=["*", "X", "+"][oracle_i % 3], linestyle=["--", "-.", ":"][oracle_i % 3])
-            oracle_i += 1
-        elif is_learned(m):
-            out[m] = dict(color=lcmap(learned_i % 8), marker=MARKERS[(learned_i + 7) % len(MARKERS)], linestyle="--")
-            learned_i += 1
-        elif pqh_base(m) is None:
-            out[m] = dict(color=free_colour(free_i), marker=MARKERS[free_i % len(MARKERS)], linestyle="-")
-            free_i += 1
-    for m in methods:  # per-query-head rows: their GQA-native row's colour and marker, hollow and dotted
-        b = pqh_base(m)
-        if b is not None:
-            base = out.get(b, dict(color=free_colour(free_i), marker=MARKERS[free_i % len(MARKERS)]))
-            out[m] = dict(color=base["color"], marker=base["marker"], linestyle=":", markerfacecolor="none")
-    return out
+FAMILIES = ["training-free, window attention (GQA cache)", "training-free, other scores (GQA cache)",
+            "published per-query-head forms (G x the memory)", "learned (LKV; trained on other Sherlock excerpts)",
+            "references: greedy searches and the random floor"]
 
 
 def main(argv):
@@ -82,38 +59,62 @@ def main(argv):
     for r in rows:
         if r["method"] not in methods:
             methods.append(r["method"])
+    ref = next((r["reference"] for r in rows if r.get("reference")), "")
     prompts = rows[0]["prompts"]
-    styles = styles_for(methods)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.6))
-    for m in methods:
-        pts = sorted((float(r["keep_fraction"]), float(r["kl_mean"]), float(r.get("kl_se", 0) or 0), float(r["oerr_mean"]))
+
+    def series(m):
+        pts = sorted((float(r["kv_bytes"]) / 1024.0, float(r["kl_mean"]), float(r.get("kl_diff_ref_se") or 0.0))
                      for r in rows if r["method"] == m)
-        x = [100 * p[0] for p in pts]
-        st = styles[m]
-        lw = 2.2 if m in ("ReST-KV", "LKV") else 1.3
-        ax1.errorbar(x, [p[1] for p in pts], yerr=[p[2] for p in pts], label=m, linewidth=lw, capsize=2.5, markersize=5,
-                     **st)
-        ax2.plot(x, [p[3] for p in pts], label=m, linewidth=lw, markersize=5, **st)
-    ax1.set_yscale("log")
-    ax1.set_xlabel("KV kept per head (% of the prompt)")
-    ax1.set_ylabel("mean KL(full || evicted) per token (nats), +- s.e. over excerpts")
-    ax1.set_title("next-token KL, teacher-forced continuation")
-    ax2.set_yscale("log")
-    ax2.set_xlabel("KV kept per head (% of the prompt)")
-    ax2.set_ylabel("||o - o_ev|| / ||o||, mean over layers")
-    ax2.set_title("attention-output error, first decoding step")
-    for ax in (ax1, ax2):
+        return [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
+
+    panels = {f: [m for m in methods if family(m) == f and m != ref] for f in FAMILIES}
+    if ref and family(ref) in panels:
+        panels[family(ref)].insert(0, ref)
+    shown = [f for f in FAMILIES if panels[f]]
+    ncol = min(3, len(shown))
+    nrow = (len(shown) + ncol - 1) // ncol
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.4 * ncol, 4.6 * nrow), sharey=True, squeeze=False)
+    flat = [a for row in axes for a in row]
+    for a in flat[len(shown):]:
+        a.axis("off")
+    cmap = plt.get_cmap("tab10")
+    left_out = []
+    lo, hi = float("inf"), 0.0
+    for ax, f in zip(flat, shown):
+        names = panels[f]
+        if len(names) > MAX_PER_PANEL:
+            left_out += names[MAX_PER_PANEL:]
+            names = names[:MAX_PER_PANEL]
+        if ref and ref not in names:  # the reference row for scale, in grey
+            x, y, _ = series(ref)
+            ax.plot(x, y, color="0.6", linestyle="-", linewidth=2.5, alpha=0.6, label="%s (reference)" % ref)
+        for i, m in enumerate(names):
+            x, y, e = series(m)
+            style = dict(color=cmap(i), marker=MARKERS[i % len(MARKERS)], linestyle="-" if i < 4 else "--")
+            if m == ref:
+                style = dict(color="0.4", marker="o", linestyle="-")
+            # a log axis cannot show a bar below 0: the lower bar stops at 5% of the value (the upper is whole)
+            err = None if m == ref else [[min(se, 0.95 * v) for se, v in zip(e, y)], e]
+            ax.errorbar(x, y, yerr=err, label=m + (" (reference)" if m == ref else ""), linewidth=1.5,
+                        capsize=2.5, markersize=5, **style)
+            lo, hi = min([lo] + [v for v in y if v > 0]), max([hi] + y)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("kept fp32 K+V per sequence (KiB, all layers)")
+        ax.set_title(f, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-    # one legend for both panels, grouped: training-free, learned, references
-    order = [m for m in methods if not is_learned(m) and not is_reference(m)] + [m for m in methods if is_learned(m)] + \
-        [m for m in methods if is_reference(m)]
-    handles, labels = ax1.get_legend_handles_labels()
-    by = dict(zip(labels, handles))
-    fig.legend([by[m] for m in order], order, loc="center right", fontsize=8, title="solid: training-free\ndashed: learned (LKV)\n"
-               "dotted, hollow: per query head\n(cache repeated to q_heads)\nblack / grey: oracles / random", title_fontsize=7)
-    fig.suptitle("kvevict fidelity on stories260K (%s %s excerpts, one-shot eviction after prefill)" % (prompts, text), fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.84, 1))
-    fig.savefig(argv[2], dpi=110)
+        ax.legend(fontsize=7, loc="upper right")
+    for row in axes:
+        row[0].set_ylabel("mean KL(full || evicted) per token (nats)")
+    if hi > 0:
+        flat[0].set_ylim(lo / 2, hi * 2)  # shared by every panel
+    note = "error bars: +- s.e. of the paired KL difference to %s over the excerpts" % ref if ref else "no reference row"
+    if left_out:
+        note += "; not drawn (more than %d in a panel): %s" % (MAX_PER_PANEL, ", ".join(left_out))
+    fig.suptitle("kvevict fidelity on stories260K: %s excerpts of %s, one-shot eviction after prefill\n%s" % (prompts, text, note),
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(argv[2], dpi=100)
     print("wrote %s" % argv[2])
     return 0
 

@@ -178,7 +178,7 @@ DECODE_KEEP, DECODE_BETA = 0.1, 16
 
 @pytest.fixture(scope="module")
 def decoding_run(tmp_path_factory):
-    """kvevict_decoding on the report's 6 Sherlock excerpts (96-token prompts, greedy continuation of
+    """kvevict_decoding on 6 Sherlock excerpts (the report's rule at 6; 96-token prompts, greedy continuation of
     the full cache to 512 positions, teacher-forced), cap 10% of 512 = 51 tokens per head, beta 16,
     rows SnapKV and AdaKV, with --dump (prompts, fed tokens, per-excerpt KL at %.17g)."""
     mdir = model_dir()
@@ -189,7 +189,7 @@ def decoding_run(tmp_path_factory):
         pytest.skip("KVEVICT_DECODING_BIN is not set to the kvevict_decoding program (ctest sets it)")
     out = tmp_path_factory.mktemp("decoding")
     dump = out / "dump.txt"
-    r = subprocess.run([exe, "--model", mdir, "--out", str(out), "--dump", str(dump), "--keeps", str(DECODE_KEEP),
+    r = subprocess.run([exe, "--model", mdir, "--out", str(out), "--dump", str(dump), "--prompts", "6", "--keeps", str(DECODE_KEEP),
                         "--intervals", str(DECODE_BETA), "--methods", ",".join(DECODE_ROWS)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
