@@ -367,6 +367,13 @@ int main(int argc, char** argv) {
     std::ofstream csv(opt.out_dir + "/" + stem + ".csv"), pcsv(opt.out_dir + "/" + stem + "_per_prompt.csv");
     csv << "method,keep,cap_tokens,interval,kl,kl_se,top1,peak_kv_tokens,peak_tokens_per_head,peak_share_of_full,evictions,"
            "reference,kl_diff_ref,kl_diff_ref_se,wins_ref,losses_ref,sign_p_ref\n";
+    // A run that never drops a token (LKV mode A when the cap holds the whole prompt: every excerpt's peak is
+    // the full cache) is the full cache, not an eviction: the table says so and compares nothing with it.
+    auto holds_all = [&](size_t r, size_t k, size_t b) {
+        for (size_t p = 0; p < prompts.size(); ++p)
+            if (at(r, k, b, p).peak < std::int64_t(N) * std::int64_t(opt.context)) return false;
+        return true;
+    };
     int iref = -1;
     for (size_t r = 0; r < rows.size(); ++r)
         if (rows[r].name == opt.reference) iref = int(r);
@@ -436,7 +443,7 @@ int main(int argc, char** argv) {
                 if (d.valid) csv << ',' << opt.reference << ',' << d.d << ',' << d.se << ',' << d.wins << ',' << d.losses << ',' << d.p;
                 else csv << ",,,,,,";
                 csv << '\n';
-                if (ev == 0) std::printf(" | %10s %6s %6s", "(no evict.)", "", "");  // the cap holds the whole run: the full cache
+                if (holds_all(r, k, b)) std::printf(" | %10s %6s %6s", "(full)", "", "");  // the cap holds the whole run: nothing evicted
                 else std::printf(" | %10.5f %6.3f %6.1f", kl, top1, double(peak) / N);
             }
             std::printf("\n");
@@ -450,7 +457,7 @@ int main(int argc, char** argv) {
                 if (int(r) == iref) continue;
                 std::string line;
                 for (size_t b = 0; b < opt.intervals.size(); ++b) {
-                    if (!rows[r].has_interval && b > 0) continue;
+                    if ((!rows[r].has_interval && b > 0) || holds_all(r, k, b)) continue;
                     const paired d = compare(r, iref, k, b);
                     if (!d.valid) continue;
                     char buf[128];

@@ -9,7 +9,7 @@
 //  * no crash, no sanitizer report, no out-of-bounds access on exactly sized buffers;
 //  * either a clear error - can_implement() and run() agree, the message starts with the error
 //    category, max_selected() == -1, no output written - or a valid result: kept count exactly
-//    max_selected(), indices strictly ascending, unique, inside [0, L) of the head (pads never
+//    max_selected() (at most it for adakv_published's per-head rounding), indices strictly ascending, unique, inside [0, L) of the head (pads never
 //    kept), protected sink and recent tokens present, pass-through heads whole, candidates
 //    ranked by the returned final scores, maybe_scores finite everywhere (robust::contract);
 //  * errc::non_finite_input is reported iff check_finite is on and the VALID region of a tensor

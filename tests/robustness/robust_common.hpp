@@ -280,7 +280,7 @@ inline result run_evictor(const kvevict::evictor<P, kvevict::cpu::backend>& ev, 
 // Independent contract checker (docs/semantics.md). Returns "" when every rule holds, else the
 // first violation. `lengths(b, hkv)` are the valid lengths; `W` the window; `positions(b, hkv,
 // slot)` the logical positions (or slot when null). Checks:
-//  * indptr[0] = 0, non-decreasing, indptr[rows] = max_selected (exact count);
+//  * indptr[0] = 0, non-decreasing, indptr[rows] = max_selected (exact count; <= for AdaKV's reference rounding);
 //  * each row strictly ascending, inside [0, L) of its head (pads never kept);
 //  * pass-through (L <= base budget): the row is exactly 0..L-1;
 //  * otherwise the sinks and the R recent tokens are kept, and the count is >= protected;
@@ -301,6 +301,9 @@ struct contract {
   /// from maybe_scores (stage 2 ranks a score the evictor does not return).
   bool two_stage = false;
   float first_stage_ratio = 1.0f;
+  /// false for AdaKV with the reference's per-head rounding (budgeters::adakv exact_total = false,
+  /// presets::adakv_published): max_selected is then an upper bound, not the count.
+  bool exact_count = true;
   std::int64_t W = 0;
   std::int64_t out_heads = 1, kv_heads = 1;
   kvevict::budget_request budget;
@@ -319,6 +322,7 @@ struct contract {
       c.two_stage = true;
       c.first_stage_ratio = p.selector.first_stage_ratio;
     }
+    if constexpr (std::is_same<typename P::budgeter, kvevict::budgeters::adakv>::value) c.exact_count = p.budgeter.exact_total;
     c.W = W;
     c.out_heads = out_heads;
     c.kv_heads = kv_heads;
@@ -356,9 +360,10 @@ struct contract {
     const std::int64_t rows = batch * out_heads;
     if (res.rows != rows) return fail("rows " + std::to_string(res.rows) + " != " + std::to_string(rows));
     if (res.indptr[0] != 0) return fail("indptr[0] != 0");
-    if (res.indptr[static_cast<std::size_t>(rows)] != res.max_selected)
+    if (exact_count ? res.indptr[static_cast<std::size_t>(rows)] != res.max_selected
+                    : res.indptr[static_cast<std::size_t>(rows)] > res.max_selected)
       return fail("indptr[rows] = " + std::to_string(res.indptr[static_cast<std::size_t>(rows)]) +
-                  " != max_selected = " + std::to_string(res.max_selected));
+                  (exact_count ? " != max_selected = " : " > max_selected = ") + std::to_string(res.max_selected));
     const std::int64_t G = out_heads / kv_heads;
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / out_heads, hk = (r % out_heads) / G;

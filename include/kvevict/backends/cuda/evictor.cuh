@@ -49,7 +49,8 @@ namespace kvevict {
 ///    is then batch * out_heads * capacity and plan() checks no lengths);
 ///    otherwise an upper bound from the shapes (eviction_plan::max_selected_exact = false):
 ///    batch * out_heads * min(seq, per-head bound), the bound being the base budget B (uniform,
-///    AdaKV), 2B + 1 (PyramidKV's largest layer) or seq (LKV-H). The exact kept count of row r
+///    AdaKV), 2B + 1 (PyramidKV's largest layer) or seq (LKV-H), plus the budgeter's total_slack per
+///    sequence (AdaKV with exact_total = false: out_heads). The exact kept count of row r
 ///    is always indptr[r+1] - indptr[r], computed on the device (CUB DeviceScan).
 ///  - LKV (scorers::learned_mlp, budgeters::headwise_learned) needs its tables in device memory
 ///    (params.on_device = true, e.g. from cuda::lkv_device_tables, kvevict/backends/cuda/learned.cuh).
