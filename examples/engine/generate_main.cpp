@@ -6,7 +6,7 @@
 // --paged: the KV cache is paged (one-head pages of --page-size slots, per-KV-head page tables; kv_cache.hpp),
 // evictions free pages (the presets through kvevict::cpu::compact_paged, lkv_session by moving its kept rows
 // through the page table), and the pages in use before and after every layer's eviction go to stderr.
-// Build: g++ -std=c++17 -O2 -Iinclude -I/usr/include/eigen3 -DKVEVICT_SOURCE_DIR="\"$PWD\"" examples/engine/generate_main.cpp -o /tmp/generate
+// Build: g++ -std=c++17 -O2 -Iinclude -I/usr/include/eigen3 -DKVEVICT_SOURCE_DIR="\"$PWD\"" examples/engine/generate_main.cpp -o kvevict_generate
 #include "evict.hpp"
 #include "forward.hpp"
 #include "lkv_decode.hpp"

@@ -1,6 +1,6 @@
 // Tests for the example inference engine (examples/engine).
 // Build and run from the repository root:
-//   g++ -std=c++17 -O2 -Wall -Wextra -I/usr/include/eigen3 -DKVEVICT_SOURCE_DIR="\"$PWD\"" tests/engine/test_engine.cpp -o /tmp/test_engine && /tmp/test_engine
+//   g++ -std=c++17 -O2 -Wall -Wextra -I/usr/include/eigen3 -DKVEVICT_SOURCE_DIR="\"$PWD\"" tests/engine/test_engine.cpp -o test_engine && ./test_engine
 // The model folder is resolved by kvevict_engine::resolve_model_dir() (env KVEVICT_MODEL_DIR overrides);
 // model-dependent tests print a skip message when it is missing.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
