@@ -94,8 +94,11 @@ struct excluded_windows {
 
 /// Reads an excluded-windows file: '#' comments, one line "text NAME bytes N fnv1a64 HEX", then "start end"
 /// lines. The windows apply only when `text` has exactly that size and fingerprint (another text, e.g. the
-/// King James Bible, gets none). Errors: unreadable file, a malformed line, a window outside the text.
-inline result read_excluded_windows(const std::string& path, const std::string& text, excluded_windows& out) {
+/// King James Bible, gets none). Errors: unreadable file, a malformed line, a window outside the text, and
+/// a text whose file name (`text_file_name`) is the file's NAME but whose bytes differ (an edited or
+/// re-encoded copy: its excerpts could overlap the windows unnoticed).
+inline result read_excluded_windows(const std::string& path, const std::string& text, const std::string& text_file_name,
+                                    excluded_windows& out) {
     out = excluded_windows{};
     std::ifstream f(path);
     if (!f) return result::failure("cannot read the excluded-windows file " + path);
@@ -114,6 +117,10 @@ inline result read_excluded_windows(const std::string& path, const std::string& 
             header = true;
             out.text_name = name;
             same = bytes == text.size() && hash == fnv1a64(text);
+            if (!same && name == text_file_name)
+                return result::failure(path + " describes " + name + " of " + std::to_string(bytes) +
+                                       " bytes with another fingerprint than this " + text_file_name + " (" + std::to_string(text.size()) +
+                                       " bytes): regenerate it (tools/lkv/train_windows.py) or pass --exclude-windows none");
             continue;
         }
         unsigned long long a = 0, b = 0;
@@ -197,7 +204,11 @@ inline double t_critical_95(int df) {
     static const double t[30] = {12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
                                  2.201,  2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
                                  2.080,  2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042};
-    return df < 1 ? 0.0 : df <= 30 ? t[df - 1] : 1.96 + 2.5 / double(df);
+    if (df < 1) return 0.0;
+    if (df <= 30) return t[df - 1];
+    // Cornish-Fisher expansion around the normal quantile (2.0395 at 31 df, the tabulated value)
+    const double z = 1.959963985, n = double(df);
+    return z + (z * z * z + z) / (4 * n) + (5 * std::pow(z, 5) + 16 * z * z * z + 3 * z) / (96 * n * n);
 }
 
 /// Two-sided exact sign test: the probability, under a fair coin, of a split of wins + losses at least

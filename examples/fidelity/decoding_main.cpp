@@ -251,7 +251,10 @@ int main(int argc, char** argv) {
         excluded_windows ex;
         if (opt.exclude != "none") {
             const std::string path = opt.exclude.empty() ? std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/train_windows.txt" : opt.exclude;
-            if (result r = read_excluded_windows(path, text, ex); !r) { std::fprintf(stderr, "error: %s\n", r.error.c_str()); return 2; }
+            if (result r = read_excluded_windows(path, text, std::filesystem::path(text_path).filename().string(), ex); !r) {
+                std::fprintf(stderr, "error: %s\n", r.error.c_str());
+                return 2;
+            }
         }
         std::vector<size_t> starts;
         int left = 0;
@@ -439,7 +442,7 @@ int main(int argc, char** argv) {
                 complete = complete && std::isfinite(kl) && std::isfinite(se);
                 csv << '"' << rows[r].name << "\"," << opt.keeps[k] << ',' << caps[k] << ',' << (rows[r].has_interval ? opt.intervals[b] : 0) << ','
                     << kl << ',' << se << ',' << top1 << ',' << peak << ',' << double(peak) / N << ',' << double(peak) / full_end << ',' << ev;
-                const paired d = compare(r, iref, k, b);
+                const paired d = holds_all(r, k, b) ? paired{} : compare(r, iref, k, b);  // the full cache is not compared
                 if (d.valid) csv << ',' << opt.reference << ',' << d.d << ',' << d.se << ',' << d.wins << ',' << d.losses << ',' << d.p;
                 else csv << ",,,,,,";
                 csv << '\n';

@@ -12,7 +12,7 @@
 //      from forward_options::on_head_output; "isolated": layer l's full-cache query attends the evicted
 //      layer-l cache, so the error is that layer's eviction alone; also after W_O and "propagated"),
 //      bytes of fp32 K+V kept.
-// Per-query-head rows (method::repeat_kv: ReST-KV-pqh, SnapKV-pqh, AdaKV-pub, Greedy-W-pqh) evict a copy of
+// Per-query-head rows (method::repeat_kv: ReST-KV-pqh, SnapKV-pqh, SnapKV-mp7-pqh, AdaKV-pub, Greedy-W-pqh) evict a copy of
 // the prefilled cache repeated to q_heads heads, as the methods' reference code does: one selection per
 // query head, and G times the KV bytes of a GQA-native row at the same keep fraction (the kept column can
 // exceed 100%: it is against the GQA-native full cache).
@@ -38,6 +38,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -560,7 +561,7 @@ int main(int argc, char** argv) {
         excluded_windows ex;
         if (opt.exclude != "none") {
             const std::string path = opt.exclude.empty() ? std::string(KVEVICT_SOURCE_DIR) + "/artifacts/lkv/train_windows.txt" : opt.exclude;
-            if (result r = read_excluded_windows(path, text, ex); !r) {
+            if (result r = read_excluded_windows(path, text, text_name, ex); !r) {
                 std::fprintf(stderr, "error: %s\n", r.error.c_str());
                 return 2;
             }
@@ -801,6 +802,7 @@ int main(int argc, char** argv) {
     for (int l = 0; l < c.n_layers; ++l) csv << ",oerr_wo_prop_l" << l;
     csv << ",scored_tokens,reference,kl_diff_ref,kl_diff_ref_se,wins_ref,losses_ref,sign_p_ref\n";
     pp << "method,keep_fraction,prompt,kl_mean,top1_agreement,greedy_match,oerr_mean,oerr_wo_mean,oerr_prop_mean,kv_bytes,scored_tokens\n";
+    pp << std::setprecision(17);  // every paired statistic can be recomputed from this file exactly
     std::printf("\nKL of each row, and paired against %s on the same excerpts: d = mean of KL(row) - KL(%s), its standard error, "
                 "t = d / se (* beyond %.3f, the two-sided 95%% t with %zu df), wins = excerpts where the row's KL is lower, "
                 "p = two-sided sign test\n",
@@ -810,6 +812,7 @@ int main(int argc, char** argv) {
     std::printf("%-14s %5s %6s %9s %8s %9s %8s %7s %7s %6s %6s %5s %8s %8s %6s\n", "", "", "(tok)", "(nats)", "", "(nats)", "", "", "", "(sign)",
                 "", "(tok)", "(iso)", "", "");
     int rows = 0, skipped = 0;
+    std::string memory_off;  // rows whose kept bytes differ from their label's floor(f x L) tokens per head
     for (size_t i = 0; i < methods.size(); ++i) {
         for (size_t f = 0; f < opt.budgets.size(); ++f) {
             const double kf = opt.budgets[f].nominal_fraction(opt.prompt_tokens);
@@ -874,13 +877,28 @@ int main(int argc, char** argv) {
             } else {
                 std::snprintf(cmp, sizeof cmp, "%9s %8s %7s %7s %6s", int(i) == iref ? "(ref)" : "-", "", "", "", "");
             }
-            std::printf("%-14s %5s %6.1f %9.5f %8.5f %s %6.3f %5.1f %8.4f %8.1f %5.1f%%\n", methods[i].name.c_str(), opt.budgets[f].label().c_str(),
-                        a.scored, a.kl, kl_se, cmp, a.top1, a.match, mean(a.oerr_wo), a.kv_bytes / 1024.0, 100.0 * a.kv_bytes / full_bytes);
+            char sc[16];
+            if (opt.chunk > 0) std::snprintf(sc, sizeof sc, "%6s", "-");  // chunked budgets are per chunk: not counted
+            else std::snprintf(sc, sizeof sc, "%6.1f", a.scored);
+            std::printf("%-14s %5s %s %9.5f %8.5f %s %6.3f %5.1f %8.4f %8.1f %5.1f%%\n", methods[i].name.c_str(), opt.budgets[f].label().c_str(),
+                        sc, a.kl, kl_se, cmp, a.top1, a.match, mean(a.oerr_wo), a.kv_bytes / 1024.0, 100.0 * a.kv_bytes / full_bytes);
+            // the memory the label promises: floor(f x L) tokens per cache head (G cache heads per KV head when repeated)
+            const double label_bytes = double(opt.budgets[f].tokens > 0 ? opt.budgets[f].tokens
+                                                                         : int(std::floor(opt.budgets[f].fraction * opt.prompt_tokens))) *
+                                       c.n_layers * c.n_kv_heads * (methods[i].repeat_kv ? c.kv_group() : 1) * c.head_dim() * 2 * sizeof(float);
+            if (opt.chunk == 0 && label_bytes > 0 && label_bytes < full_bytes * (methods[i].repeat_kv ? c.kv_group() : 1) &&
+                std::fabs(a.kv_bytes / label_bytes - 1.0) > 0.005) {
+                char b[96];
+                std::snprintf(b, sizeof b, " %s %s %+.1f%%", methods[i].name.c_str(), opt.budgets[f].label().c_str(), 100.0 * (a.kv_bytes / label_bytes - 1.0));
+                memory_off += b;
+            }
             ++rows;
         }
     }
     csv.close();
     pp.close();
+    if (!memory_off.empty())
+        std::printf("\nkept memory off the label's floor(f x L) tokens per head by more than 0.5%% (measured):%s\n", memory_off.c_str());
     std::printf("\nfull cache: %.1f KiB of fp32 K+V per prompt. scored = kept tokens per head chosen by score (the rest are kept by "
                 "rule: window, sinks, recent); KL, top1 and match over %d teacher-forced steps; oerr_WO = mean over layers of "
                 "||W_O (o - o_ev)|| / ||W_O o|| at the first decoding step; kept = KV bytes against the GQA-native full cache.\n",

@@ -215,7 +215,7 @@ TEST_CASE("budget: AdaKV head-wise allocation matches the documented formula") {
 TEST_CASE("budget: AdaKV with exact_total = false is the reference code's per-head rounding (hand-computed, fp64 reference)") {
   // Hand-computed: 3 heads of 40 tokens, nothing protected, B = 10, alpha 0.2: T = 30, F = floor(0.2 * 10) = 2.
   // Winners of the top 30 (13, 13, 4): round(0.8 * 13 + 2) = round(12.4) = 12, 12, round(5.2) = 5: 29 kept, not 30.
-  // The largest-remainder rule keeps exactly 30 (12.4, 12.4, 5.2 -> 12, 13, 5: the first of the tied remainders).
+  // The largest-remainder rule keeps exactly 30 (12.4, 12.4, 5.2 -> 13, 12, 5: the tied remainders go to the lower head).
   {
     std::vector<std::vector<float>> sc(3, std::vector<float>(40, 0.01f));
     for (int i = 0; i < 13; ++i) sc[0][static_cast<std::size_t>(2 * i)] = 0.9f, sc[1][static_cast<std::size_t>(3 * i)] = 0.8f;
@@ -230,7 +230,7 @@ TEST_CASE("budget: AdaKV with exact_total = false is the reference code's per-he
     CHECK(pub == std::vector<std::int64_t>{12, 12, 5});
     p.exact_total = true;
     kvevict::cpu::detail::adakv_budgets(p, lp.data(), ptr.data(), 3, exact.data());
-    CHECK(exact[0] + exact[1] + exact[2] == 30);
+    CHECK(exact == std::vector<std::int64_t>{13, 12, 5});
     CHECK(kvevict::budgeters::adakv::total_slack(p, 3) == 0);
     p.exact_total = false;
     CHECK(kvevict::budgeters::adakv::total_slack(p, 3) == 3);
@@ -248,6 +248,19 @@ TEST_CASE("budget: AdaKV with exact_total = false is the reference code's per-he
     std::vector<std::int64_t> got(2);
     kvevict::cpu::detail::adakv_budgets(p, lp.data(), ptr.data(), 2, got.data());  // T = 8: winners (5, 3), F = 2
     CHECK(got == std::vector<std::int64_t>{4, 4});  // round(4.5) = 4, round(3.5) = 4
+  }
+  // alpha as the decimal it stands for: 0.7f * 10 = 6.99999..., the reference's int(10 * 0.7) = 7.
+  {
+    std::vector<std::vector<float>> sc(2, std::vector<float>(40, 0.01f));
+    for (int i = 0; i < 10; ++i) sc[0][static_cast<std::size_t>(i)] = 0.9f, sc[1][static_cast<std::size_t>(i)] = 0.8f;
+    std::vector<const float*> ptr{sc[0].data(), sc[1].data()};
+    std::vector<kvevict::detail::head_plan> lp(2, lib_plan(kvref::plan(40, 10, 0.0, 0, 0, -1.0, 0)));
+    kvevict::budgeters::adakv::params p;
+    p.alpha = 0.7f;
+    p.exact_total = false;
+    std::vector<std::int64_t> got(2);
+    kvevict::cpu::detail::adakv_budgets(p, lp.data(), ptr.data(), 2, got.data());  // winners (10, 10): round(0.3 * 10 + 7) = 10
+    CHECK(got == std::vector<std::int64_t>{10, 10});
   }
   // Random plans and scores against the fp64 reference's rule (tests/reference/reference.hpp), and the slack bound.
   kvtest::rng r(29);

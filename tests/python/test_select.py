@@ -117,8 +117,10 @@ def test_every_method_layouts_and_storage_types_agree(method):
         assert r == sorted(set(r)) and all(0 <= i < L for i in r)
     if method == "pyramidkv":  # layer 1 of 4 gets its schedule's share, the same for every head
         assert base.uniform and 32 < int(base.counts().flatten()[0]) < L
-    elif method in ("adakv", "critical_adakv", "adakv_published"):  # head-wise budgets keep each sequence's total
+    elif method in ("adakv", "critical_adakv"):  # head-wise budgets keep each sequence's total
         assert torch.equal(base.counts().sum(dim=1), torch.full((B,), H * 32, dtype=base.counts().dtype))
+    elif method == "adakv_published":  # the reference's per-head rounding: the total give or take a token per head
+        assert ((base.counts().sum(dim=1) - H * 32).abs() <= H).all()
     else:
         assert base.uniform and base.counts().flatten()[0] == 32
     # NHD storage of the same values selects the same tokens.

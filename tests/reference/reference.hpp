@@ -586,8 +586,10 @@ inline std::vector<std::int64_t> adakv_budgets(const std::vector<head_plan>& pla
     extra.assign(H, 0);
     for (std::size_t h = 0; h < H; ++h) {
       if (plans[h].pass) continue;
-      const auto F = static_cast<std::int64_t>(std::floor(alpha * static_cast<double>(plans[h].base - plans[h].prot())));
-      const float x = static_cast<float>(win[h]) * static_cast<float>(1.0 - alpha) + static_cast<float>(F);
+      const double a = std::round(alpha * 1e6) / 1e6;  // the Python double the float alpha was written as
+      const auto F = static_cast<std::int64_t>(std::floor(a * static_cast<double>(plans[h].base - plans[h].prot())));
+      const float prod = static_cast<float>(win[h]) * static_cast<float>(1.0 - a);
+      const float x = prod + static_cast<float>(F);
       extra[h] = std::max<std::int64_t>(0, std::min<std::int64_t>(cap[h], static_cast<std::int64_t>(std::nearbyint(x))));
     }
   }

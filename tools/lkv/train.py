@@ -78,7 +78,9 @@ def fidelity_windows(text_len: int, tokens: int = 448, ns=range(1, 9)):
 
 
 def report_prompts(tok: Tokenizer, text: str, n: int, tokens: int):
-    """The fidelity report's excerpts (same rule as examples/fidelity/fidelity_main.cpp)."""
+    """The fidelity report's excerpts as they were when LKV was trained (make_prompts' rule, n evenly
+    spread excerpts; since 2026-12-07 the report takes 32 excerpts with these contexts left out,
+    examples/engine/report_util.hpp make_excerpts)."""
     chars = tokens * 3 + 64
     out = []
     for i in range(n):

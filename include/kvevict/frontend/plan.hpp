@@ -4,7 +4,7 @@
 //   kvevict::eviction_plan pl;
 //   status s = ev.plan(inputs, budget, &pl);          // validates shapes, parameters, budget, lengths
 //   std::vector<unsigned char> ws(pl.workspace_bytes);
-//   std::vector<std::int32_t> kept(pl.max_selected);   // exact (see max_selected_exact)
+//   std::vector<std::int32_t> kept(pl.max_selected);   // exact or a bound (see max_selected_exact)
 //   s = ev.run(pl, inputs, selection, ws.data(), ws.size());  // repeats none of the plan's checks
 //
 // The plan is computed once from the shapes, the budget and plan_options (the thread count
@@ -125,9 +125,10 @@ inline std::uint64_t next_plan_generation() {
 struct eviction_plan {
   bool valid = false;               ///< set by a successful plan()
   std::size_t workspace_bytes = 0;  ///< bytes run() needs (any alignment: run() aligns itself)
-  /// Kept tokens: the size selection.indices must have. Exact when max_selected_exact (always on
-  /// the CPU; on CUDA unless lengths are device-only or LKV-H's tables are device-only), else an
-  /// upper bound; the exact count of row r is always indptr[r + 1] - indptr[r].
+  /// Kept tokens: the size selection.indices must have. Exact when max_selected_exact (on the CPU
+  /// except for AdaKV with the reference's per-head rounding, budgeters::adakv exact_total = false,
+  /// presets::adakv_published; on CUDA also unless lengths are device-only or LKV-H's tables are
+  /// device-only), else an upper bound; the exact count of row r is always indptr[r + 1] - indptr[r].
   std::int64_t max_selected = 0;
   bool max_selected_exact = true;
   std::int64_t rows = 0;       ///< selection rows = batch * out_heads

@@ -170,7 +170,8 @@ struct pyramid {
 /// AdaptiveSnapKVCluster.update_kv): each head on its own gets
 /// budget_h = protected_h + round((1 - alpha) c_h + floor(alpha (B_h - protected_h))), computed as
 /// the reference does in float32 (c_h times float(1 - alpha), plus the floor, then rounded half to
-/// even), capped at the head's candidates; the layer total then differs from T by the rounding
+/// even; alpha taken as the decimal it stands for, to 6 places, as the reference's Python double),
+/// capped at the head's candidates; the layer total then differs from T by the rounding
 /// (a few tokens; total_slack bounds it). A head with nothing protected that rounds to 0 keeps 1
 /// token (no donor: there is no total to keep). `presets::adakv_published` uses it. Errors: alpha outside [0, 1].
 struct adakv {
@@ -205,13 +206,21 @@ struct adakv {
     if (p.exact_total) {
       detail::apportion(share, cap, H, T, extra);
     } else {
-      const float keep = static_cast<float>(1.0 - static_cast<double>(p.alpha));  // torch: int tensor * python float -> float32
+      // The reference's floor_alpha is a Python double (0.2, not 0.2f): alpha rounded to 6 decimals stands
+      // for it, so int((B - w) * floor_alpha) agrees for every alpha written with <= 6 decimals (0.7f
+      // would give floor(6.99...) = 6 where Python's int(10 * 0.7) is 7).
+      const double a = std::floor(static_cast<double>(p.alpha) * 1e6 + 0.5) / 1e6;
+      const float keep = static_cast<float>(1.0 - a);  // torch: int tensor * python float -> float32
       for (std::int64_t h = 0; h < H; ++h) {
         extra[h] = 0;
         if (pl[h].pass_through) continue;
-        const std::int64_t fl = static_cast<std::int64_t>(
-            std::floor(static_cast<double>(p.alpha) * static_cast<double>(pl[h].base_budget - pl[h].protected_count())));
-        const float x = static_cast<float>(winners[h]) * keep + static_cast<float>(fl);
+        const std::int64_t fl = static_cast<std::int64_t>(std::floor(a * static_cast<double>(pl[h].base_budget - pl[h].protected_count())));
+#ifdef __CUDA_ARCH__
+        const float t = __fmul_rn(static_cast<float>(winners[h]), keep);  // no FMA contraction: torch rounds the product first
+#else
+        const float t = static_cast<float>(winners[h]) * keep;
+#endif
+        const float x = t + static_cast<float>(fl);
         const float down = std::floor(x);
         std::int64_t r = static_cast<std::int64_t>(down);
         if (x - down > 0.5f || (x - down == 0.5f && (r & 1) != 0)) ++r;  // half to even, as torch.round
