@@ -50,6 +50,16 @@ inline std::vector<std::string> split(const std::string& s) {
     return out;
 }
 
+/// Byte offset of excerpt i of n reading `chars` bytes: (text - chars) * (2i + 1) / 2n, moved to the
+/// next paragraph start ("\n\n") when one follows with room, then past blank lines and spaces.
+inline size_t excerpt_start(const std::string& text, size_t chars, int i, int n) {
+    size_t start = (text.size() - chars) * size_t(2 * i + 1) / size_t(2 * n);
+    const size_t para = text.find("\n\n", start);
+    if (para != std::string::npos && para + chars < text.size()) start = para;
+    while (start < text.size() && (text[start] == '\n' || text[start] == ' ')) ++start;
+    return start;
+}
+
 /// `n` excerpts of `tokens` tokens (BOS first): starts spread evenly over the text, each moved to the
 /// next paragraph start; with cont_tokens > 0 also the next cont_tokens tokens of each excerpt's
 /// text (the real continuation) in *cont (the excerpt then comes from a longer piece of text).
@@ -60,10 +70,7 @@ inline result make_prompts(const tokenizer& tok, const std::string& text, int n,
     const size_t chars = size_t(tokens + cont_tokens) * 3 + 64;  // ~1.7 chars per token: 3 is ample
     if (text.size() < chars * 2) return result::failure("text too short for excerpts");
     for (int i = 0; i < n; ++i) {
-        size_t start = (text.size() - chars) * size_t(2 * i + 1) / size_t(2 * n);
-        const size_t para = text.find("\n\n", start);
-        if (para != std::string::npos && para + chars < text.size()) start = para;
-        while (start < text.size() && (text[start] == '\n' || text[start] == ' ')) ++start;
+        const size_t start = excerpt_start(text, chars, i, n);
         std::string piece = text.substr(start, chars);
         for (char& ch : piece)
             if (ch == '\n') ch = ' ';  // prose, not line breaks (a 512-piece vocabulary has few '\n' merges)
@@ -153,11 +160,7 @@ inline result make_excerpts(const tokenizer& tok, const std::string& text, int n
         kept.clear();
         left_out = 0;
         for (int i = 0; i < nc; ++i) {
-            size_t start = (text.size() - chars) * size_t(2 * i + 1) / size_t(2 * nc);
-            const size_t para = text.find("\n\n", start);
-            if (para != std::string::npos && para + chars < text.size()) start = para;
-            while (start < text.size() && (text[start] == '\n' || text[start] == ' ')) ++start;
-            const size_t end = start + chars;
+            const size_t start = excerpt_start(text, chars, i, nc), end = start + chars;
             bool excl = false;
             for (const auto& w : excluded) excl = excl || (w.first < end && start < w.second);
             if (excl) { ++left_out; continue; }

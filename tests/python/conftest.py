@@ -16,6 +16,12 @@ except ImportError as e:  # a clear failure, not a skip: the binding is part of 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
+def model_dir():
+    """The stories260K folder ($KVEVICT_MODEL_DIR, else <repo>/../shared/models/stories260K), or None."""
+    d = os.environ.get("KVEVICT_MODEL_DIR") or os.path.join(REPO, "..", "shared", "models", "stories260K")
+    return d if os.path.isfile(os.path.join(d, "stories260K.bin")) else None
+
+
 @pytest.fixture
 def repo():
     return REPO

@@ -24,16 +24,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO
+from conftest import model_dir
 from kvevict.models import llama2c
 
 WINDOW, KERNEL, ALPHA, FRACTIONS = 32, 7, 0.2, (0.1, 0.2, 0.3, 0.5)
 ROWS = ("SnapKV-mp7-pqh", "AdaKV-pub")
-
-
-def model_dir():
-    d = os.environ.get("KVEVICT_MODEL_DIR") or os.path.join(REPO, "..", "shared", "models", "stories260K")
-    return d if os.path.isfile(os.path.join(d, "stories260K.bin")) else None
 
 
 def window_scores(q, k, reduce):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kvevict
-from conftest import REPO
+from conftest import REPO, model_dir
 from kvevict.press import Press
 
 from kvevict.models import llama2c
@@ -33,11 +33,6 @@ ROWS = {
     "Uniform+LKV-T": "lkv_uniform_budgets", "LKV-H+ReST-KV": "lkv_budgets_restkv", "LKV-H+SnapKV": "lkv_budgets_attention",
 }
 ARTIFACT = os.environ.get("KVEVICT_LKV_ARTIFACT") or os.path.join(REPO, "artifacts", "lkv", "stories260K.lkv")
-
-
-def model_dir():
-    d = os.environ.get("KVEVICT_MODEL_DIR") or os.path.join(REPO, "..", "shared", "models", "stories260K")
-    return d if os.path.isfile(os.path.join(d, "stories260K.bin")) else None
 
 
 @pytest.fixture(scope="module")

@@ -97,8 +97,10 @@ def report_prompts(tok: Tokenizer, text: str, n: int, tokens: int):
     return out
 
 
-def train_excerpts(tok: Tokenizer, text: str, n: int, tokens: int, rng: random.Random):
-    """n excerpts of `tokens` tokens (BOS first) from paragraph starts outside the report windows."""
+def train_excerpt_windows(tok: Tokenizer, text: str, n: int, tokens: int, rng: random.Random):
+    """n excerpts of `tokens` tokens (BOS first) from paragraph starts outside the report windows, as
+    (start, end, ids): the character window [start, end) each was read from (tools/lkv/train_windows.py
+    writes them for the report to leave out)."""
     bad = fidelity_windows(len(text))
     chars = int(tokens * 2.4) + 64
     starts = [m.end() for m in re.finditer(r"\n\n+", text)]
@@ -109,10 +111,15 @@ def train_excerpts(tok: Tokenizer, text: str, n: int, tokens: int, rng: random.R
         piece = text[s:s + chars].replace("\n", " ")
         ids = tok.encode(piece)
         if len(ids) >= tokens:
-            out.append(ids[:tokens])
+            out.append((s, s + chars, ids[:tokens]))
         if len(out) == n:
             break
     return out
+
+
+def train_excerpts(tok: Tokenizer, text: str, n: int, tokens: int, rng: random.Random):
+    """n excerpts of `tokens` tokens (BOS first) from paragraph starts outside the report windows."""
+    return [ids for _, _, ids in train_excerpt_windows(tok, text, n, tokens, rng)]
 
 
 def cont_forward(model, ctx_kv, cont: torch.Tensor, start: int, ctx_bias=None):

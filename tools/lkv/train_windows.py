@@ -7,14 +7,13 @@ Both committed artifacts (stories260K.lkv, stories260K_decode.lkv) were trained 
 defaults (seed 1234, 80 contexts of 448 + 32 tokens; artifacts/lkv/train_log*.txt): the contexts
 are the first 80 paragraph starts of train.py's seeded shuffle whose window holds enough tokens
 (train.train_excerpts, the first use of the seeded generator). This script repeats exactly that
-draw and writes each context's window [start, start + chars) as byte offsets of the text (train.py counts characters).
+draw (train.train_excerpt_windows) and writes each context's window [start, start + chars) as byte offsets of the text (train.py counts characters).
 
     /usr/bin/python3 tools/lkv/train_windows.py [--text ../shared/data/text/sherlock.txt] [--out FILE]
 """
 import argparse
 import os
 import random
-import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,19 +33,7 @@ def fnv1a64(data: bytes) -> int:
 
 def training_windows(tok, text: str, n: int, tokens: int, seed: int):
     """[(start, end)] character windows of train.train_excerpts(tok, text, n, tokens, Random(seed))."""
-    rng = random.Random(seed)
-    bad = train.fidelity_windows(len(text))
-    chars = int(tokens * 2.4) + 64
-    starts = [m.end() for m in re.finditer(r"\n\n+", text)]
-    ok = [s for s in starts if s + chars < len(text) and not any(a < s + chars and s < b for a, b in bad)]
-    rng.shuffle(ok)
-    out = []
-    for s in ok:
-        if len(tok.encode(text[s:s + chars].replace("\n", " "))) >= tokens:
-            out.append((s, s + chars))
-        if len(out) == n:
-            break
-    return out
+    return [(s, e) for s, e, _ in train.train_excerpt_windows(tok, text, n, tokens, random.Random(seed))]
 
 
 def main(argv=None) -> int:
