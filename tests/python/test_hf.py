@@ -128,6 +128,52 @@ def test_as_kvpress_runs_through_kvpress(models):
     assert cache.layers[0].keys.shape[2] == int(300 * (1 - 0.8))  # kvpress's n_kept
 
 
+def test_tokenizer_encodes_and_decodes_as_llama2c():
+    if not os.path.isfile(os.path.join(MDIR, "tok512.bin")):
+        pytest.skip("stories260K model folder not found")
+    from kvevict.models.tokenizer import Tokenizer
+    tok, raw = hfm.to_transformers_tokenizer(os.path.join(MDIR, "tok512.bin")), Tokenizer(os.path.join(MDIR, "tok512.bin"))
+    for text in ["Once upon a time, there was a little girl named Lily.", "Ünïcode ∑ and\ttabs, 42 apples!", "a", ""]:
+        assert tok.encode(text) == raw.encode(text)  # BOS + the llama2.c merges, byte pieces for the rest
+        assert tok.encode(tok.bos_token + text, add_special_tokens=False) == raw.encode(text)  # kvpress's no-template path
+        ids = raw.encode(text)
+        assert tok.decode(ids, skip_special_tokens=True) == raw.decode(ids[1:], prev=1)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, len(tok)) == (1, 2, 0, 512)
+
+
+def test_kvpress_pipeline_runs_a_kvevict_method(models):
+    """kvpress's own "kv-press-text-generation" pipeline with a kvevict method through as_kvpress: the
+    context is compressed by kvevict (the cache it leaves holds floor(L / 2) tokens per head), and the
+    answer is exactly the greedy decode that kvevict.hf.Press gives by hand on the same tokens."""
+    pytest.importorskip("kvpress", reason="kvpress is not installed")
+    from transformers import pipeline
+    _, hf = models
+    tok = hfm.to_transformers_tokenizer(os.path.join(MDIR, "tok512.bin"))
+    context = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her dog. "
+               "One day, she saw a big red ball under a tree. ") * 4
+    question = "What did Lily see?"
+    pipe = pipeline("kv-press-text-generation", model=hf, tokenizer=tok, device="cpu")
+    cache = DynamicCache()
+    answer = pipe(context, question=question, press=as_kvpress(Press("snapkv", compression_ratio=0.5)), cache=cache,
+                  max_new_tokens=12)["answer"]
+    ctx = tok.encode(tok.bos_token + context, return_tensors="pt", add_special_tokens=False)
+    n = ctx.shape[1]
+    assert [cache.layers[l].keys.shape[2] for l in range(len(cache))] == [n // 2] * len(cache)
+    # the same by hand: kvevict's press on the prefill, then the pipeline's greedy loop
+    by_hand = DynamicCache()
+    with torch.no_grad():
+        with Press("snapkv", compression_ratio=0.5)(hf):
+            hf.model(input_ids=ctx, past_key_values=by_hand)
+        q = tok.encode(question + "\n", return_tensors="pt", add_special_tokens=False)
+        pos = torch.arange(n, n + q.shape[1]).unsqueeze(0)
+        gen = [hf(input_ids=q, past_key_values=by_hand, position_ids=pos).logits[0, -1].argmax()]
+        for i in range(11):
+            gen.append(hf(input_ids=gen[-1].view(1, 1), past_key_values=by_hand, position_ids=pos[:, -1:] + 1 + i).logits[0, -1].argmax())
+            if gen[-1].item() == tok.eos_token_id:
+                break
+    assert answer == tok.decode(torch.stack(gen), skip_special_tokens=True) and answer.strip()
+
+
 @pytest.mark.parametrize("method", ["snapkv", "streaming_llm", "pyramidkv", "restkv", "tova", "criticalkv"])
 def test_decode_time_press_equals_kvevicts_press(models, method):
     """Press(..., interval=4): the cap and schedule of kvevict.press on a DynamicCache. After a 120-token

@@ -23,7 +23,7 @@ import torch
 
 from . import llama2c
 
-__all__ = ["to_transformers", "rope_halves"]
+__all__ = ["to_transformers", "to_transformers_tokenizer", "rope_halves"]
 
 
 def rope_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -74,3 +74,66 @@ def to_transformers(model: Union[llama2c.Llama, str, None] = None, dtype: Option
     hf.config.kvevict_llama2c_rope = True
     hf.eval().requires_grad_(False)
     return hf.to(dtype) if dtype is not None else hf
+
+
+def to_transformers_tokenizer(path: Optional[str] = None):
+    """stories260K's tokenizer (llama2.c's ``tok512.bin``; ``path`` or the default model folder) as a
+    transformers ``PreTrainedTokenizer``, so that transformers' and kvpress's pipelines run on the
+    converted model (``pipeline("kv-press-text-generation", model=to_transformers(),
+    tokenizer=to_transformers_tokenizer())``).
+
+    It encodes and decodes exactly as ``kvevict.models.tokenizer.Tokenizer`` (the llama2.c rules:
+    a dummy space before the text, byte pieces ``<0xNN>`` for characters outside the vocabulary,
+    merges by score; decoding drops the space after BOS). Ids 0, 1, 2 are ``<unk>``, ``<s>`` (BOS),
+    ``</s>`` (EOS); ``add_special_tokens=True`` prepends BOS. No chat template: kvpress's pipeline
+    then prepends ``bos_token`` to the context itself."""
+    from transformers import PreTrainedTokenizer
+
+    from .tokenizer import Tokenizer
+
+    class Llama2cTokenizer(PreTrainedTokenizer):
+        vocab_files_names: dict = {}
+        model_input_names = ["input_ids", "attention_mask"]
+
+        def __init__(self, tok_path=None, **kwargs):
+            self._tok = Tokenizer(tok_path)
+            names = []
+            for i, p in enumerate(self._tok.pieces):
+                names.append({0: "<unk>", 1: "<s>", 2: "</s>"}.get(i, p.decode("utf-8", errors="backslashreplace")))
+            self._names = names
+            self._ids = {}
+            for i, n in enumerate(names):
+                self._ids.setdefault(n, i)
+            kwargs.setdefault("bos_token", "<s>")
+            kwargs.setdefault("eos_token", "</s>")
+            kwargs.setdefault("unk_token", "<unk>")
+            kwargs.setdefault("model_max_length", 512)
+            super().__init__(**kwargs)
+
+        @property
+        def vocab_size(self) -> int:
+            return self._tok.vocab_size
+
+        def get_vocab(self):
+            return dict(self._ids)
+
+        def _tokenize(self, text, **kwargs):
+            return [self._names[i] for i in self._tok.encode(text, bos=False)]
+
+        def _convert_token_to_id(self, token):
+            return self._ids.get(token, 0)
+
+        def _convert_id_to_token(self, index):
+            return self._names[index]
+
+        def convert_tokens_to_string(self, tokens):
+            return self._tok.decode([self._ids.get(t, 0) for t in tokens], prev=1)
+
+        def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None):
+            ids = [self.bos_token_id] + list(token_ids_0)
+            return ids if token_ids_1 is None else ids + list(token_ids_1)
+
+        def save_vocabulary(self, save_directory, filename_prefix=None):
+            return ()
+
+    return Llama2cTokenizer(path)
