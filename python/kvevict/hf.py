@@ -143,16 +143,19 @@ class Press:
                                  layout="HND", positions=positions, layer_idx=layer, num_layers=num_layers, **extra)
         except Error as e:
             raise Error(f"kvevict.hf: layer {layer} of {num_layers} ({self.method}): {e}; no layer's cache was changed") from None
-        c = sel.counts().flatten()
-        if c.numel() and bool((c != c[0]).any()):  # a method the constructor did not know as head-wise (custom parameters)
-            raise Error(f"kvevict.hf: layer {layer}: {self.method} kept {c.tolist()} tokens per head; "
+        ip = sel.indptr.tolist()  # a few rows: plain Python is cheaper than tensor ops here
+        c = [b - a for a, b in zip(ip, ip[1:])]
+        if c and any(x != c[0] for x in c):  # a method the constructor did not know as head-wise (custom parameters)
+            raise Error(f"kvevict.hf: layer {layer}: {self.method} kept {c} tokens per head; "
                         "a transformers DynamicCache holds one length per layer")
         return sel
 
     @staticmethod
-    def _gather(t: torch.Tensor, sel: Selection) -> torch.Tensor:
-        B, Hk = t.shape[0], t.shape[1]
-        idx = sel.indices.to(device=t.device, dtype=torch.int64).view(B, Hk, -1)
+    def _gather(t: torch.Tensor, sel: Selection, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The kept rows of t [batch, heads, seq(, dim)]; `idx`: the selection's indices as int64
+        [batch, heads, kept] on t's device when the caller has them already."""
+        if idx is None:
+            idx = sel.indices.to(device=t.device, dtype=torch.int64).view(t.shape[0], t.shape[1], -1)
         if t.dim() == 4:
             return t.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, t.shape[3]))
         return t.gather(2, idx)
@@ -172,7 +175,8 @@ class Press:
                                               min(w, hidden_states.shape[1]))
         sel = self._select(module, keys, values, q, self._core.evictor, self._core.budget)
         self.selections[int(module.layer_idx)] = sel
-        out = self._gather(keys, sel), self._gather(values, sel)
+        idx = sel.indices.to(device=keys.device, dtype=torch.int64).view(keys.shape[0], keys.shape[1], -1)
+        out = self._gather(keys, sel, idx), self._gather(values, sel, idx)
         self.seconds += time.perf_counter() - t0
         return out
 
