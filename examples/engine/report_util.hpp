@@ -60,6 +60,23 @@ inline size_t excerpt_start(const std::string& text, size_t chars, int i, int n)
     return start;
 }
 
+/// Tokenises the `chars` bytes at `start` (line breaks read as spaces: prose, not line breaks; a
+/// 512-piece vocabulary has few '\n' merges) and appends excerpt `index`: its first `tokens` tokens (BOS
+/// first) to `out`, the next `cont_tokens` to `cont` when given. Error: fewer tokens than that.
+inline result add_excerpt(const tokenizer& tok, const std::string& text, size_t start, size_t chars, int index, int tokens, int cont_tokens,
+                          std::vector<std::vector<int>>& out, std::vector<std::vector<int>>* cont) {
+    std::string piece = text.substr(start, chars);
+    for (char& ch : piece)
+        if (ch == '\n') ch = ' ';
+    std::vector<int> t = tok.encode(piece);
+    if (int(t.size()) < tokens + cont_tokens)
+        return result::failure("excerpt " + std::to_string(index) + " has only " + std::to_string(t.size()) + " tokens");
+    if (cont) cont->emplace_back(t.begin() + tokens, t.begin() + tokens + cont_tokens);
+    t.resize(size_t(tokens));
+    out.push_back(std::move(t));
+    return result::success();
+}
+
 /// `n` excerpts of `tokens` tokens (BOS first): starts spread evenly over the text, each moved to the
 /// next paragraph start; with cont_tokens > 0 also the next cont_tokens tokens of each excerpt's
 /// text (the real continuation) in *cont (the excerpt then comes from a longer piece of text).
@@ -70,16 +87,7 @@ inline result make_prompts(const tokenizer& tok, const std::string& text, int n,
     const size_t chars = size_t(tokens + cont_tokens) * 3 + 64;  // ~1.7 chars per token: 3 is ample
     if (text.size() < chars * 2) return result::failure("text too short for excerpts");
     for (int i = 0; i < n; ++i) {
-        const size_t start = excerpt_start(text, chars, i, n);
-        std::string piece = text.substr(start, chars);
-        for (char& ch : piece)
-            if (ch == '\n') ch = ' ';  // prose, not line breaks (a 512-piece vocabulary has few '\n' merges)
-        std::vector<int> t = tok.encode(piece);
-        if (int(t.size()) < tokens + cont_tokens)
-            return result::failure("excerpt " + std::to_string(i) + " has only " + std::to_string(t.size()) + " tokens");
-        if (cont) cont->emplace_back(t.begin() + tokens, t.begin() + tokens + cont_tokens);
-        t.resize(size_t(tokens));
-        out.push_back(std::move(t));
+        if (result r = add_excerpt(tok, text, excerpt_start(text, chars, i, n), chars, i, tokens, cont_tokens, out, cont); !r) return r;
     }
     return result::success();
 }
@@ -174,15 +182,7 @@ inline result make_excerpts(const tokenizer& tok, const std::string& text, int n
     const size_t R = kept.size();
     for (int j = 0; j < n; ++j) {
         const size_t start = kept[size_t(2 * j + 1) * R / size_t(2 * n)];
-        std::string piece = text.substr(start, chars);
-        for (char& ch : piece)
-            if (ch == '\n') ch = ' ';
-        std::vector<int> t = tok.encode(piece);
-        if (int(t.size()) < tokens + cont_tokens)
-            return result::failure("excerpt " + std::to_string(j) + " has only " + std::to_string(t.size()) + " tokens");
-        if (cont) cont->emplace_back(t.begin() + tokens, t.begin() + tokens + cont_tokens);
-        t.resize(size_t(tokens));
-        out.push_back(std::move(t));
+        if (result r = add_excerpt(tok, text, start, chars, j, tokens, cont_tokens, out, cont); !r) return r;
         starts.push_back(start);
     }
     return result::success();
@@ -222,6 +222,33 @@ inline double sign_test_p(int wins, int losses) {
     double tail = 0;  // P(X <= k), X ~ Binomial(n, 1/2), from log-binomials
     for (int i = 0; i <= k; ++i) tail += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) - n * std::log(2.0));
     return std::min(1.0, 2.0 * tail);
+}
+
+/// Paired comparison of two rows measured on the same excerpts (x[i] and y[i] from excerpt i): d = mean of
+/// x - y, se its standard error, t = d / se, `beyond` when |t| exceeds the two-sided 95% Student t with
+/// n - 1 degrees of freedom (or d != 0 when se is 0); wins / losses = excerpts where x < y / x > y, and
+/// p_sign the two-sided exact sign test of that split. `valid` is false for fewer than 2 excerpts.
+struct paired_stats {
+    bool valid = false, beyond = false;
+    double d = 0, se = 0, t = 0, p_sign = 1;
+    int wins = 0, losses = 0;
+};
+inline paired_stats paired_compare(const std::vector<double>& x, const std::vector<double>& y) {
+    paired_stats r;
+    if (x.size() != y.size() || x.size() < 2) return r;
+    std::vector<double> diff;
+    for (size_t i = 0; i < x.size(); ++i) {
+        diff.push_back(x[i] - y[i]);
+        r.wins += x[i] < y[i] ? 1 : 0;
+        r.losses += x[i] > y[i] ? 1 : 0;
+    }
+    r.valid = true;
+    r.d = mean(diff);
+    r.se = std_error(diff);
+    r.t = r.se > 0 ? r.d / r.se : 0.0;
+    r.beyond = r.se > 0 ? std::fabs(r.t) > t_critical_95(int(x.size()) - 1) : r.d != 0;
+    r.p_sign = sign_test_p(r.wins, r.losses);
+    return r;
 }
 
 /// log-softmax in fp64.

@@ -381,29 +381,17 @@ int main(int argc, char** argv) {
     for (size_t r = 0; r < rows.size(); ++r)
         if (rows[r].name == opt.reference) iref = int(r);
     if (iref < 0) std::printf("note: --reference row %s is not in the run; no paired comparisons\n", opt.reference.c_str());
-    struct paired {
-        bool valid = false, beyond = false;
-        double d = 0, se = 0, p = 1;
-        int wins = 0, losses = 0;
-    };
+    using paired = paired_stats;
     // row r against the reference at cap k and interval b (LKV mode A: its one column against the reference's first)
     auto compare = [&](size_t r, int ref, size_t k, size_t b) {
-        paired out;
-        if (ref < 0 || int(r) == ref || prompts.size() < 2) return out;
+        if (ref < 0 || int(r) == ref) return paired{};
         const size_t rb = rows[size_t(ref)].has_interval ? b : 0;
-        std::vector<double> diff;
+        std::vector<double> x, y;
         for (size_t p = 0; p < prompts.size(); ++p) {
-            const double x = at(r, k, b, p).kl, y = at(size_t(ref), k, rb, p).kl;
-            diff.push_back(x - y);
-            out.wins += x < y ? 1 : 0;
-            out.losses += x > y ? 1 : 0;
+            x.push_back(at(r, k, b, p).kl);
+            y.push_back(at(size_t(ref), k, rb, p).kl);
         }
-        out.valid = true;
-        out.d = mean(diff);
-        out.se = std_error(diff);
-        out.beyond = out.se > 0 ? std::fabs(out.d / out.se) > t_critical_95(int(prompts.size()) - 1) : out.d != 0;
-        out.p = sign_test_p(out.wins, out.losses);
-        return out;
+        return paired_compare(x, y);
     };
     pcsv << "method,keep,cap_tokens,interval,prompt,kl,top1,peak_kv_tokens,evictions\n";
     bool complete = true;
@@ -443,7 +431,7 @@ int main(int argc, char** argv) {
                 csv << '"' << rows[r].name << "\"," << opt.keeps[k] << ',' << caps[k] << ',' << (rows[r].has_interval ? opt.intervals[b] : 0) << ','
                     << kl << ',' << se << ',' << top1 << ',' << peak << ',' << double(peak) / N << ',' << double(peak) / full_end << ',' << ev;
                 const paired d = holds_all(r, k, b) ? paired{} : compare(r, iref, k, b);  // the full cache is not compared
-                if (d.valid) csv << ',' << opt.reference << ',' << d.d << ',' << d.se << ',' << d.wins << ',' << d.losses << ',' << d.p;
+                if (d.valid) csv << ',' << opt.reference << ',' << d.d << ',' << d.se << ',' << d.wins << ',' << d.losses << ',' << d.p_sign;
                 else csv << ",,,,,,";
                 csv << '\n';
                 if (holds_all(r, k, b)) std::printf(" | %10s %6s %6s", "(full)", "", "");  // the cap holds the whole run: nothing evicted
@@ -465,7 +453,7 @@ int main(int argc, char** argv) {
                     if (!d.valid) continue;
                     char buf[128];
                     std::snprintf(buf, sizeof buf, "  b=%d %+.5f+-%.5f%s (%d/%d, p %.3f)", opt.intervals[b], d.d, d.se, d.beyond ? "*" : "", d.wins,
-                                  d.wins + d.losses, d.p);
+                                  d.wins + d.losses, d.p_sign);
                     line += buf;
                 }
                 if (!line.empty()) std::printf("  %-16s%s\n", rows[r].name.c_str(), line.c_str());

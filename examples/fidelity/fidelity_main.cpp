@@ -772,26 +772,14 @@ int main(int argc, char** argv) {
     const size_t n_ex = prompts.size();
     const double tc = t_critical_95(int(n_ex) - 1);
     // Paired comparison of KL(row a at budget fa) with KL(row b at budget fb) over the same excerpts.
-    struct paired_kl {
-        double d = 0, se = 0, t = 0, p_sign = 1;
-        int wins = 0, losses = 0;  // excerpts where a's KL is lower / higher than b's
-        bool beyond = false;       // |t| > the two-sided 95% t of n - 1 df
-    };
+    using paired_kl = paired_stats;
     auto compare = [&](int a, size_t fa, int b, size_t fb) {
-        paired_kl r;
-        std::vector<double> diff;
+        std::vector<double> x, y;
         for (size_t p = 0; p < n_ex; ++p) {
-            const double x = res[size_t(a)][fa][p].kl, y = res[size_t(b)][fb][p].kl;
-            diff.push_back(x - y);
-            r.wins += x < y ? 1 : 0;
-            r.losses += x > y ? 1 : 0;
+            x.push_back(res[size_t(a)][fa][p].kl);
+            y.push_back(res[size_t(b)][fb][p].kl);
         }
-        r.d = mean(diff);
-        r.se = std_error(diff);
-        r.t = r.se > 0 ? r.d / r.se : 0.0;
-        r.beyond = r.se > 0 ? std::fabs(r.t) > tc : r.d != 0;
-        r.p_sign = sign_test_p(r.wins, r.losses);
-        return r;
+        return paired_compare(x, y);
     };
     const int iref = row_of(opt.reference);
     if (iref < 0) std::printf("note: --reference row %s is not in the run; no paired columns\n", opt.reference.c_str());
