@@ -64,6 +64,21 @@ struct criticalkv : eviction_policy<scorers::attention_value_norm, temporal::mea
 struct critical_adakv : eviction_policy<scorers::attention_value_norm, temporal::mean, spatial::avg_pool, budgeters::adakv,
                                         selectors::two_stage> {};
 
+/// DefensiveKV (Feng et al., "Taming the Fragility of KV Cache Eviction in LLM Inference", ICLR 2026,
+/// arXiv 2510.13334; the authors' EfficientDefensiveKVPress): window 32, avg-pool 5 per window row,
+/// defensive aggregation (the maximum over the window rows and the GQA group, clamped below at its
+/// mean), CriticalKV's projected value norms normalised over the KV heads, the highest-mass tokens up
+/// to 0.9 minus the window share forced in, and one flattened top-k over the heads of the layer
+/// (AdaKV with alpha 0: no per-head safeguard). Window kept. Needs layer_inputs::wo.
+/// scorers::defensive_attention documents each step. CPU backend.
+struct defensivekv : eviction_policy<scorers::defensive_attention, temporal::mean, spatial::none, budgeters::adakv> {
+  static params defaults() {
+    params p;
+    p.budgeter.alpha = 0.0f;
+    return p;
+  }
+};
+
 /// H2O (Zhang et al. 2023): accumulated attention of all prompt queries (pass W = L), half of
 /// the budget heavy hitters and half recent tokens.
 struct h2o : eviction_policy<scorers::accumulated_attention, temporal::sum, spatial::none> {

@@ -14,9 +14,12 @@
 //                      projected value norms), read by selectors::two_stage
 //   needs_wo_matrix    reads the layer's full output projection layer_inputs::wo
 //                      (hidden, q_heads * head_dim), not the d x d factor
+//   combines_heads     its rows are finished by one pass over the KV heads of a sequence
+//                      (defensive_attention); read through detail::scorer_combines_heads
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 
 #include "kvevict/core/status.hpp"
@@ -150,6 +153,73 @@ struct attention_value_norm {
   static status check(const params&) { return {}; }
 };
 
+/// DefensiveKV's scorer (Feng et al., "Taming the Fragility of KV Cache Eviction in LLM Inference",
+/// ICLR 2026, arXiv 2510.13334; the authors' code: FFY0/DefensiveKV,
+/// kvpress/presses/efficient_defensivekv_press.py). Over the candidates n < Lc = L - w (the window's
+/// own columns are never scored: the selector keeps the window), per KV head h with query heads g
+/// of its GQA group, window rows j and A[g, j, :] = softmax(q_j K^T / sqrt(d)) (fp32, causal inside
+/// the window):
+///  1. pooled rows: P[g, j, :] = avgpool_k(A[g, j, :Lc]) * (sum_n A[g, j, n]) / (sum_n avgpool_k(...)),
+///     avgpool_k the zero-padded average of width `kernel` (odd; divided by k at the edges too, as
+///     torch's avg_pool1d), each row rescaled back to its own mass on the candidates;
+///  2. defensive aggregation (`clamp_at_mean`): M[n] = max_{g, j} P[g, j, n] and
+///     S[n] = max(M[n], mean_{n' < Lc} M[n']) (clamp_at_mean = false: plain max aggregation, S = M);
+///  3. value weighting: u_h[n] = mean_g ||v_n W_O^{hg}||_1 (CriticalKV's projected value norm) and
+///     F_h[n] = S_h[n] * u_h[n] / sum_{h'} u_{h'}[n], normalised over the KV heads of the sequence at
+///     each position (the authors' code: WoV_norm / WoV_norm.sum(dim = heads)), so the heads' scores are
+///     comparable for a head-wise (flattened) budgeter;
+///  4. mass stage (`mass_threshold` t > 0): per head, the mass row m_h[n] = sum_j c_j mean_g A[g, j, n]
+///     (c_j: the policy's temporal weights; the preset's temporal::mean gives the authors' mean),
+///     normalised over the candidates, ranked high to low (ties to the lower index); the first k_h
+///     tokens, k_h = the first rank whose cumulative mass reaches t - share (0 when none does or
+///     t - share <= 0), capped at the head's base budget minus the window, are forced in: their
+///     F (and the window's) is set to the next float above the largest F of the sequence's heads
+///     (the authors' code sets it to that maximum, where the best unforced candidate ties with the
+///     forced ones and torch.topk breaks the tie either way). `share` is the layer's window share
+///     (`share_rule`), averaged over every query head and window row of the sequence.
+/// F_h is the scorer's one row per KV head (what budgeters and the selector rank; maybe_scores).
+/// Steps 3 and 4 read every KV head of a sequence: the scorer declares combines_heads, so a
+/// backend runs them once per sequence after the heads are scored. GQA: the aggregation spans the
+/// group by definition; the policy's gqa must be gqa_reduction::mean (other values are refused).
+/// Needs queries, values and layer_inputs::wo (hidden, q_heads * head_dim). Cost over SnapKV: the
+/// pooling of every window row (G w Lc k) and the value norms (O(L d C) per query head).
+/// Errors: kernel not odd or outside [1, 255]; mass_threshold outside [0, 1] or NaN; share_rule
+/// not a rule.
+struct defensive_attention {
+  /// Which attention mass stage 4 subtracts from the threshold.
+  ///  - preceding_keys (default): the mass of the w candidates just before the window, columns
+  ///    [max(0, Lc - w), Lc), as the authors' code computes it (it slices the window's columns off
+  ///    before summing the last w columns);
+  ///  - window: the mass of the window's own columns [Lc, L) (the paper's wording, "0.9 minus the
+  ///    window's share");
+  ///  - none: the threshold is mass_threshold itself.
+  enum class share_rule : int { preceding_keys = 0, window = 1, none = 2 };
+  struct params {
+    std::int32_t kernel = 5;          ///< avg-pool width of step 1, odd
+    bool clamp_at_mean = true;        ///< step 2: defensive (true) or plain max (false)
+    float mass_threshold = 0.9f;      ///< step 4: cumulative mass of the forced tokens; 0 = no stage 1
+    share_rule share = share_rule::preceding_keys;
+  };
+  static constexpr const char* name = "defensive_attention";
+  static constexpr bool needs_queries = true;
+  static constexpr bool needs_values = true;
+  static constexpr bool window_attention = true;
+  static constexpr bool has_scores = true;
+  static constexpr bool needs_wo_matrix = true;
+  /// Steps 3 and 4 combine the KV heads of a sequence (scorer_impl::combine_heads).
+  static constexpr bool combines_heads = true;
+  static bool needs_wo_factor(const params&) { return false; }
+  static status check(const params& p) {
+    if (p.kernel < 1 || p.kernel > 255 || p.kernel % 2 == 0)
+      return status::error(errc::invalid_argument, "scorer.kernel = %d must be odd and in [1, 255]", p.kernel);
+    if (!(p.mass_threshold >= 0.0f && p.mass_threshold <= 1.0f))
+      return status::error(errc::invalid_argument, "scorer.mass_threshold = %g must be in [0, 1]", static_cast<double>(p.mass_threshold));
+    const int r = static_cast<int>(p.share);
+    if (r < 0 || r > 2) return status::error(errc::invalid_argument, "scorer.share = %d is not a share_rule", r);
+    return {};
+  }
+};
+
 /// No scores: the selector keeps sink and recent tokens only (StreamingLLM, Xiao et al. 2023,
 /// arXiv 2309.17453). No scoring pass runs.
 struct none {
@@ -179,6 +249,14 @@ struct scorer_needs_wo_matrix : std::false_type {};
 template <class S>
 struct scorer_needs_wo_matrix<S, std::void_t<decltype(S::needs_wo_matrix)>>
     : std::integral_constant<bool, S::needs_wo_matrix> {};
+
+
+/// True when scorer S declares `static constexpr bool combines_heads = true`: its rows are final only
+/// after a pass over every KV head of a sequence (scorer_impl::combine_heads; defensive_attention).
+template <class S, class = void>
+struct scorer_combines_heads : std::false_type {};
+template <class S>
+struct scorer_combines_heads<S, std::void_t<decltype(S::combines_heads)>> : std::integral_constant<bool, S::combines_heads> {};
 
 }  // namespace detail
 }  // namespace kvevict

@@ -254,6 +254,9 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   /// The scorer computes a secondary row on its own (scorer_impl::secondary_row): the evictor
   /// computes it per row where the selector reads it, and holds no secondary row per head.
   static constexpr bool lazy_secondary = cpu::detail::lazy_secondary<has_secondary, Scorer>::value;
+  /// DefensiveKV: the scorer's rows are finished by one pass over the KV heads of each sequence
+  /// (scorer_impl::combine_heads), which reads the aux rows the scorer wrote beside them.
+  static constexpr bool combines_heads = kvevict::detail::scorer_combines_heads<Scorer>::value;
 
   explicit evictor(params_type p = Policy::defaults(), cpu::backend be = {}) : api_base(p), be_(be) {}
 
@@ -350,6 +353,10 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
     float* scores;
     float* grows;
     double* gdrift;
+    float* aux;        ///< combines_heads: per out row, aux_kept rows of stride S (reduced over the group)
+    double* aux_stat;  ///< combines_heads: per out row, the scorer's statistic (mean over the group)
+    float* gaux;       ///< combines_heads: per thread, aux_rows x G rows of L floats (head_job::aux)
+    double* gaux_stat; ///< combines_heads: per thread, G statistics
     float* tmp;
     double* pre;
     std::int64_t* dq;
@@ -431,6 +438,11 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
         buf.scores2 = c.template carve<float>(static_cast<std::size_t>(rows * S));
       }
       buf.gdrift = c.template carve<double>(static_cast<std::size_t>(nt * Gq));
+      if constexpr (combines_heads) {
+        buf.aux = c.template carve<float>(static_cast<std::size_t>(rows * cpu::scorer_impl<Scorer>::aux_kept * S));
+        buf.aux_stat = c.template carve<double>(static_cast<std::size_t>(rows));
+        buf.gaux_stat = c.template carve<double>(static_cast<std::size_t>(nt * Gq));
+      }
       // The per-thread scratch of the three phases shares the same bytes (run() never uses two
       // phases at once): scoring (the query-head rows of one GQA group and the per-head scratch,
       // head_scratch, whose logits block is bounded by the backend's score_block_bytes), then
@@ -440,6 +452,8 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
       // B * kv_heads tasks, so at most that many threads exist there.
       const std::int64_t nt_heads = std::min<std::int64_t>(nt, std::max<std::int64_t>(B * in.kv_heads(), 1));
       buf.grows = c.template carve<float>(static_cast<std::size_t>(nt_heads * Gq * S));
+      if constexpr (combines_heads)
+        buf.gaux = c.template carve<float>(static_cast<std::size_t>(nt_heads * cpu::scorer_impl<Scorer>::aux_rows * Gq * S));
       if constexpr (has_secondary && !lazy_secondary) buf.grows2 = c.template carve<float>(static_cast<std::size_t>(nt_heads * Gq * S));
       const bool full_y = cpu::scorer_impl<Scorer>::full_projection(p_.scorer);
       cpu::detail::head_scratch::options so;
@@ -584,6 +598,14 @@ status evictor<Policy, cpu::backend>::plan(const layer_inputs<T>& in, const budg
     if (opt.num_threads < 0)
       return status::error(errc::invalid_argument, "plan_options.num_threads = %d must be >= 0 (0: the backend's default)",
                            opt.num_threads);
+    if constexpr (combines_heads) {
+      if (p_.gqa != gqa_reduction::mean)
+        return status::error(errc::invalid_argument, "gqa = %s: scorer %s aggregates the GQA group itself; use gqa_reduction::mean",
+                             to_string(p_.gqa), Scorer::name);
+      if (opt.sharded)
+        return status::error(errc::not_supported, "scorer %s combines the KV heads of a sequence: it cannot run over a sharded layer",
+                             Scorer::name);
+    }
     if (in.paged()) {  // plan time: host scratch, as kept_total's
       std::vector<unsigned char> seen(static_cast<std::size_t>(kvevict::detail::page_table_check_bytes(in)));
       KVEVICT_TRY(cpu::detail::check_pages(in, seen.data()));
@@ -691,8 +713,25 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
         double* gdrift = buf.gdrift + static_cast<std::int64_t>(tid) * Gq;
         float* grows2 = (has_secondary && !lazy_secondary) ? buf.grows2 + static_cast<std::int64_t>(tid) * Gq * S : nullptr;
         std::fill(gdrift, gdrift + Gq, 0.0);  // a scorer that computes no drift leaves 0 (adaptive-window reads it)
+        if constexpr (combines_heads) {
+          job.aux = buf.gaux + static_cast<std::int64_t>(tid) * cpu::scorer_impl<Scorer>::aux_rows * Gq * S;
+          job.aux_stat = buf.gaux_stat + static_cast<std::int64_t>(tid) * Gq;
+        }
         cpu::scorer_impl<Scorer>::template score<Policy, T>(job, buf.scratch[tid], grows, gdrift, grows2);
         const std::int64_t r0 = b * H + h * Gout;  // the KV head's first out row
+        if constexpr (combines_heads) {
+          // the scorer wrote its group's row to every query head (plan() requires gqa mean, Gout = 1):
+          // row 0 as is (no fp32 re-averaging); the aux blocks and statistics reduced over the group
+          std::copy(grows, grows + L, buf.scores + r0 * S);
+          buf.drift[r0] = 0.0;
+          double st = 0.0;
+          for (std::int64_t g = 0; g < Gq; ++g) st += job.aux_stat[g];
+          buf.aux_stat[r0] = st / static_cast<double>(Gq);
+          for (int k = 0; k < cpu::scorer_impl<Scorer>::aux_kept; ++k)
+            cpu::detail::reduce_group_secondary(gqa_reduction::mean, job.aux + k * Gq * L, Gq, 1, L, S,
+                                                buf.aux + (r0 * cpu::scorer_impl<Scorer>::aux_kept + k) * S);
+          return;
+        }
         if constexpr (has_secondary && !lazy_secondary)
           cpu::detail::reduce_group_secondary(p_.gqa, grows2, Gq, Gout, L, S, buf.scores2 + r0 * S);
         cpu::detail::reduce_group(p_.gqa, grows, gdrift, Gq, Gout, L, S, buf.scores + r0 * S, buf.drift + r0);
@@ -704,6 +743,20 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
           KVEVICT_TRY(check_finite(in));
           return status::error(errc::non_finite_input, "keys: a non-finite key (the scorer's pass)");  // not reached
         }
+      }
+      if constexpr (combines_heads) {
+        // once per sequence, over its heads (per-thread scratch of the smoothing phase: pre, idx)
+        cpu::detail::parallel_for_threads(nt, B, [&](std::int64_t b, int tid) {
+          std::vector<std::int64_t> lw(static_cast<std::size_t>(2 * H));
+          for (std::int64_t h = 0; h < H; ++h) {
+            lw[static_cast<std::size_t>(h)] = in.length(b, h);
+            lw[static_cast<std::size_t>(H + h)] = std::min<std::int64_t>(in.window(), in.length(b, h));
+          }
+          cpu::scorer_impl<Scorer>::combine_heads(p_.scorer, buf.plans + b * H, buf.need + b * H, lw.data(), lw.data() + H, H, S,
+                                                  buf.scores + b * H * S, buf.aux + b * H * cpu::scorer_impl<Scorer>::aux_kept * S,
+                                                  buf.aux_stat + b * H, buf.pre + static_cast<std::int64_t>(tid) * (S + 1),
+                                                  buf.idx + static_cast<std::int64_t>(tid) * S);
+        });
       }
       if (p_.gqa == gqa_reduction::layer_mean) {
         for (std::int64_t b = 0; b < B; ++b) {

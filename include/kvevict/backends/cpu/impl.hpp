@@ -45,6 +45,12 @@ struct head_job {
   /// score_block_bytes; the evictor sets it, and carves head_scratch for the same bytes).
   /// The default, attention_row_block, goes with head_scratch::carve's default.
   std::int64_t rows_per_block = 32;
+  /// Scorers that combine heads (scorers' combines_heads, defensive_attention): rows the scorer
+  /// writes beside its G score rows for scorer_impl::combine_heads, aux_rows blocks of G rows of L
+  /// floats each (block k, query head g at aux + (k G + g) L), and one statistic per query head.
+  /// The evictor reduces each block over the group (mean) and the statistics too. Null otherwise.
+  float* aux = nullptr;
+  double* aux_stat = nullptr;
 };
 }  // namespace detail
 

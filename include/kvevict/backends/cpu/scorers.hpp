@@ -14,6 +14,7 @@
 #include "kvevict/backends/cpu/scorers/attention_value_norm.hpp"
 #include "kvevict/backends/cpu/scorers/attention_weight.hpp"
 #include "kvevict/backends/cpu/scorers/common.hpp"
+#include "kvevict/backends/cpu/scorers/defensive_attention.hpp"
 #include "kvevict/backends/cpu/scorers/head_scorer.hpp"
 #include "kvevict/backends/cpu/scorers/key_norm.hpp"
 #include "kvevict/backends/cpu/scorers/last_query.hpp"
