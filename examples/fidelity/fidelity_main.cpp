@@ -966,7 +966,8 @@ int main(int argc, char** argv) {
         }
         // The pairs docs/fidelity.md states, with the same statistics.
         const std::pair<const char*, const char*> claims[] = {
-            {"ReST-KV", "SnapKV"},          {"AdaKV", "SnapKV"},         {"CriticalAdaKV", "AdaKV-pub"}, {"LKV", "AdaKV-pub"},
+            {"ReST-KV", "SnapKV"},          {"AdaKV", "SnapKV"},         {"CriticalAdaKV", "AdaKV-pub"}, {"DefensiveKV", "AdaKV-pub"},
+            {"DefensiveKV", "CriticalAdaKV"}, {"LKV", "AdaKV-pub"},
             {"LKV", "ReST-KV"},             {"LKV", "AdaKV"},            {"Greedy-W", "ReST-KV"},        {"Greedy-W", "LKV"},
             {"ReST-KV-pqh", "ReST-KV"},     {"SnapKV-pqh", "SnapKV"},    {"SnapKV-mp7-pqh", "SnapKV-pqh"}, {"AdaKV-pub", "AdaKV-mp7"},
             {"Greedy-W-pqh", "Greedy-W"}};
@@ -983,20 +984,24 @@ int main(int argc, char** argv) {
             std::printf("\n");
         }
         // Per-query-head rows hold G times the KV bytes at the same keep fraction: compare them at equal memory
-        // too, a per-query-head row at fraction f against its GQA-native row at G * f (where the run has both).
+        // too, a per-query-head row at fraction f against a GQA-native row at G * f (where the run has both),
+        // whichever of the pair is the per-query-head one (d is always first - second).
         const int G = c.kv_group();
         for (const auto& cl : claims) {
             const int a = row_of(cl.first), b = row_of(cl.second);
-            if (a < 0 || b < 0 || !methods[size_t(a)].repeat_kv || methods[size_t(b)].repeat_kv) continue;
+            if (a < 0 || b < 0 || methods[size_t(a)].repeat_kv == methods[size_t(b)].repeat_kv) continue;
+            const bool a_pqh = methods[size_t(a)].repeat_kv;
             bool any = false;
             for (size_t f = 0; f < opt.budgets.size(); ++f)
                 for (size_t g = 0; g < opt.budgets.size(); ++g) {
-                    const budget_spec &x = opt.budgets[f], &y = opt.budgets[g];
+                    // x: the per-query-head row's budget, y: the GQA-native row's (G times x)
+                    const budget_spec &x = opt.budgets[a_pqh ? f : g], &y = opt.budgets[a_pqh ? g : f];
                     const bool equal = x.tokens > 0 ? y.tokens == G * x.tokens : y.tokens == 0 && std::fabs(y.fraction - G * x.fraction) < 1e-9;
                     if (!equal || !complete(a, f) || !complete(b, g)) continue;
-                    if (!any) std::printf("%s - %s at equal KV bytes (%s at keep f, %s at %d f):", cl.first, cl.second, cl.first, cl.second, G);
+                    if (!any)
+                        std::printf("%s - %s at equal KV bytes (the per-query-head row at keep f, the other at %d f):", cl.first, cl.second, G);
                     any = true;
-                    std::printf("  %s vs %s ", x.label().c_str(), y.label().c_str());
+                    std::printf("  %s vs %s ", opt.budgets[f].label().c_str(), opt.budgets[g].label().c_str());
                     show(compare(a, f, b, g));
                 }
             if (any) std::printf("\n");

@@ -1,0 +1,16 @@
+// DefensiveKV rows of the fidelity report (registry: methods.hpp; method: docs/defensivekv.md).
+//
+//   DefensiveKV   presets::defensivekv (Feng et al., ICLR 2026, arXiv 2510.13334): window 32, avg-pool 5
+//                 per window row, the maximum over the window and the GQA group clamped at its mean,
+//                 value norms ||v W_O^h||_1 normalised over the heads, the tokens holding 0.9 minus the
+//                 window share of the attention forced in, one flattened top-k over the layer's heads.
+//                 GQA-native (one kept set per KV head). Compare with AdaKV-pub and CriticalAdaKV.
+// It reads the layer's full output projection (layer_inputs::wo), which the engine passes for scorers
+// that need it.
+#include "methods.hpp"
+
+namespace {
+
+const kvevict_fidelity::register_method defensivekv_row(37, kvevict_engine::policy_method<kvevict::presets::defensivekv>("DefensiveKV"));
+
+}  // namespace
