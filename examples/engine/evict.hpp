@@ -187,8 +187,8 @@ inline result apply_selection(kv_cache& cache, int layer, const std::int32_t* in
 /// than query heads (its selections have q_heads rows; a GQA-native cache has kv_heads), and every kvevict
 /// error (message kept, e.g. a budget below the protected window).
 template <class Policy>
-result evict_layer(const layer_state& s, const typename Policy::params& p, int window = 32,
-                   std::int64_t* kept_tokens = nullptr) {
+result select_layer(const layer_state& s, const typename Policy::params& p, int window, std::vector<std::int32_t>& indptr,
+                    std::vector<std::int32_t>& indices, std::vector<float>* scores = nullptr) {
     if (!s.m || !s.cache) return result::failure("evict_layer: layer_state.m and .cache must be set");
     kv_cache& c = *s.cache;
     const config& cfg = s.m->cfg;
@@ -223,15 +223,27 @@ result evict_layer(const layer_state& s, const typename Policy::params& p, int w
     if (const kvevict::status st = ev.can_implement(in, budget); !st.ok())
         return result::failure("evict_layer: layer " + std::to_string(l) + ": " + st.message());
     const std::int64_t cap = ev.max_selected(in, budget);
-    std::vector<std::int32_t> indptr(size_t(H) + 1), indices(size_t(std::max<std::int64_t>(cap, 1)));
+    indptr.assign(size_t(H) + 1, 0);
+    indices.assign(size_t(std::max<std::int64_t>(cap, 1)), 0);
+    if (scores) scores->assign(size_t(H) * size_t(c.capacity()), 0.0f);
     kvevict::selection_view sel;
     sel.indptr = indptr.data();
     sel.indices = indices.data();
     sel.capacity = std::int64_t(indices.size());
-    if (const kvevict::status st = ev.run(in, budget, sel); !st.ok())
+    if (const kvevict::status st = ev.run(in, budget, sel, scores ? scores->data() : nullptr); !st.ok())
         return result::failure("evict_layer: layer " + std::to_string(l) + ": " + st.message());
-    if (kept_tokens) *kept_tokens = indptr[size_t(H)];
-    return apply_selection(c, l, indptr.data(), indices.data());
+    return result::success();
+}
+
+/// Runs kvevict::evictor<Policy, kvevict::cpu::backend> with params `p` on layer `s.layer` of
+/// `*s.cache` (select_layer) and compacts it in place (apply_selection).
+template <class Policy>
+result evict_layer(const layer_state& s, const typename Policy::params& p, int window = 32,
+                   std::int64_t* kept_tokens = nullptr) {
+    std::vector<std::int32_t> indptr, indices;
+    if (result r = select_layer<Policy>(s, p, window, indptr, indices); !r) return r;
+    if (kept_tokens) *kept_tokens = indptr.back();
+    return apply_selection(*s.cache, s.layer, indptr.data(), indices.data());
 }
 
 /// A named eviction method: a function that evicts one layer of the cache given the engine state.
@@ -277,6 +289,80 @@ method policy_method(std::string name, typename Policy::params p = Policy::defau
     // query-free row, nor an explicit recent count).
     if (window > 0 && p.selector.num_recent == -1 && !(p.selector.recent_share >= 0.0f))
         m.evict_with_window = [p](const layer_state& s, int w) { return evict_layer<Policy>(s, p, w); };
+    return m;
+}
+
+/// A method running `Policy` with ONE budget over every layer and KV head (kvevict::layer_wide_topk;
+/// Layer-DefensiveKV with presets::defensivekv): the call for layer 0 scores every layer of the cache
+/// (select_layer with maybe_scores; nothing compacted), cuts the candidates of all layers at
+/// T = sum over (layer, head) of (base budget - protected tokens), and compacts every layer; the calls
+/// for layers 1.. find their layer already done. The engine evicts the layers in order after the prefill
+/// (one-shot, eviction_session::evict_all), so every layer still holds its full cache at layer 0's call.
+/// Per-head budgets then differ between layers; their mean is the label's.
+template <class Policy>
+result evict_layer_wide(const layer_state& s, const typename Policy::params& p, int window) {
+        if (s.layer != 0) return result::success();  // done at layer 0's call
+        if (!s.m || !s.cache) return result::failure("layer_wide_method: layer_state.m and .cache must be set");
+        kv_cache& c = *s.cache;
+        const int nl = c.n_layers(), H = c.n_kv_heads();
+        kvevict::layer_wide_topk wide;
+        if (const kvevict::status st = wide.reset(nl, H); !st.ok()) return result::failure(st.message());
+        std::int64_t total = 0;
+        std::vector<std::int32_t> indptr, indices;
+        std::vector<float> scores;
+        std::vector<std::int64_t> len(static_cast<size_t>(H)), sinks(static_cast<size_t>(H)), recent(static_cast<size_t>(H));
+        for (int l = 0; l < nl; ++l) {
+            layer_state sl = s;
+            sl.layer = l;
+            if (result r = select_layer<Policy>(sl, p, window, indptr, indices, &scores); !r) return r;
+            typename Policy::params pp = p;
+            kvevict::budget_request budget = s.budget;
+            if (s.schedule && s.action) {  // decode-time eviction: the schedule's protection and budget
+                const std::int64_t q = (s.queries && window != 0) ? s.queries->view(l, window).extent[2] : 0;
+                if (const kvevict::status st = s.schedule->apply(*s.action, pp, q, &budget); !st.ok()) return result::failure(st.message());
+            }
+            const std::int64_t w = s.queries && window != 0 ? s.queries->view(l, window).extent[2] : 0;
+            std::int64_t planned = 0;  // the evictor's own total must be the plans' (an exact-total budgeter)
+            for (int h = 0; h < H; ++h) {
+                const std::int64_t L = c.length(l, h);
+                const kvevict::detail::head_plan hp = kvevict::detail::plan_head(budget, pp.selector, L, std::min<std::int64_t>(w, L));
+                len[size_t(h)] = L;
+                planned += hp.pass_through ? L : hp.base_budget;
+                if (hp.pass_through) {  // kept whole: no candidates
+                    sinks[size_t(h)] = L;
+                    recent[size_t(h)] = 0;
+                    continue;
+                }
+                sinks[size_t(h)] = hp.sinks;
+                recent[size_t(h)] = hp.recent;
+                total += hp.base_budget - hp.protected_count();
+            }
+            if (planned != indptr[size_t(H)])
+                return result::failure("layer_wide_method: layer " + std::to_string(l) + ": the plans give " + std::to_string(planned) +
+                                       " kept tokens, the evictor " + std::to_string(indptr[size_t(H)]) +
+                                       " (the method's protection or budgeter is not the one planned here)");
+            if (const kvevict::status st = wide.add_layer(l, scores.data(), c.capacity(), len.data(), sinks.data(), recent.data()); !st.ok())
+                return result::failure("layer_wide_method: " + std::string(st.message()));
+        }
+        if (const kvevict::status st = wide.cut(total); !st.ok()) return result::failure(st.message());
+        for (int l = 0; l < nl; ++l) {
+            indptr.assign(size_t(H) + 1, 0);
+            indices.assign(size_t(std::max<std::int64_t>(wide.kept(l), 1)), 0);
+            kvevict::selection_view sel;
+            sel.indptr = indptr.data();
+            sel.indices = indices.data();
+            sel.capacity = std::int64_t(indices.size());
+            if (const kvevict::status st = wide.selection(l, sel); !st.ok()) return result::failure(st.message());
+            if (result r = apply_selection(c, l, indptr.data(), indices.data()); !r) return r;
+        }
+        return result::success();
+}
+
+template <class Policy>
+method layer_wide_method(std::string name, typename Policy::params p = Policy::defaults(), int window = 32) {
+    method m = policy_method<Policy>(std::move(name), p, window);
+    m.evict = [p, window](const layer_state& s) { return evict_layer_wide<Policy>(s, p, window); };
+    if (m.evict_with_window) m.evict_with_window = [p](const layer_state& s, int w) { return evict_layer_wide<Policy>(s, p, w); };
     return m;
 }
 

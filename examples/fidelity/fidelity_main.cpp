@@ -967,7 +967,7 @@ int main(int argc, char** argv) {
         // The pairs docs/fidelity.md states, with the same statistics.
         const std::pair<const char*, const char*> claims[] = {
             {"ReST-KV", "SnapKV"},          {"AdaKV", "SnapKV"},         {"CriticalAdaKV", "AdaKV-pub"}, {"DefensiveKV", "AdaKV-pub"},
-            {"DefensiveKV", "CriticalAdaKV"}, {"LKV", "AdaKV-pub"},
+            {"DefensiveKV", "CriticalAdaKV"}, {"Layer-DefensiveKV", "AdaKV-pub"}, {"Layer-DefensiveKV", "DefensiveKV"}, {"LKV", "AdaKV-pub"},
             {"LKV", "ReST-KV"},             {"LKV", "AdaKV"},            {"Greedy-W", "ReST-KV"},        {"Greedy-W", "LKV"},
             {"ReST-KV-pqh", "ReST-KV"},     {"SnapKV-pqh", "SnapKV"},    {"SnapKV-mp7-pqh", "SnapKV-pqh"}, {"AdaKV-pub", "AdaKV-mp7"},
             {"Greedy-W-pqh", "Greedy-W"}};

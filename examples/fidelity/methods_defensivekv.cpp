@@ -5,6 +5,9 @@
 //                 value norms ||v W_O^h||_1 normalised over the heads, the tokens holding 0.9 minus the
 //                 window share of the attention forced in, one flattened top-k over the layer's heads.
 //                 GQA-native (one kept set per KV head). Compare with AdaKV-pub and CriticalAdaKV.
+//   Layer-DefensiveKV the same scores with one flattened top-k over every layer and head of the sequence
+//                 (kvevict::layer_wide_topk; kvevict_engine::layer_wide_method): T = layers x heads x
+//                 (B - window) candidates in all, so per-head budgets differ between layers.
 // It reads the layer's full output projection (layer_inputs::wo), which the engine passes for scorers
 // that need it.
 #include "methods.hpp"
@@ -12,5 +15,6 @@
 namespace {
 
 const kvevict_fidelity::register_method defensivekv_row(37, kvevict_engine::policy_method<kvevict::presets::defensivekv>("DefensiveKV"));
+const kvevict_fidelity::register_method layer_defensivekv_row(38, kvevict_engine::layer_wide_method<kvevict::presets::defensivekv>("Layer-DefensiveKV"));
 
 }  // namespace

@@ -19,4 +19,5 @@
 #include "kvevict/policies/policy.hpp"
 #include "kvevict/presets.hpp"
 #include "kvevict/schedule/decode.hpp"
+#include "kvevict/schedule/layer_wide.hpp"
 #include "kvevict/version.hpp"

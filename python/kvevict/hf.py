@@ -58,7 +58,7 @@ from .press import Press as _CorePress
 __all__ = ["Press", "as_kvpress", "HEADWISE_METHODS"]
 
 #: Methods whose heads keep different numbers of tokens (not representable in a DynamicCache).
-HEADWISE_METHODS = ("adakv", "adakv_published", "critical_adakv", "lkv", "lkv_budgets_restkv", "lkv_budgets_attention")
+HEADWISE_METHODS = ("adakv", "adakv_published", "critical_adakv", "defensivekv", "lkv", "lkv_budgets_restkv", "lkv_budgets_attention")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ class Press:
             if layer not in self._factors:
                 self._factors[layer] = wo_factors(wo.detach(), q_heads)
             return {"wo_factor": self._factors[layer]}
-        if self.method in ("criticalkv", "critical_adakv"):
+        if self.method in ("criticalkv", "critical_adakv", "defensivekv"):
             return {"wo": wo.detach()}  # in the cache's dtype (compress_layer converts)
         return {}
 

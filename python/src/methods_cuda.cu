@@ -174,7 +174,7 @@ status make_cuda_evictor(const std::string& method, const param_map& overrides, 
   if (method == "tova") return make<P::tova>("tova", overrides, device, out);
   if (method == "streaming_llm") return make<P::streaming_llm>("streaming_llm", overrides, device, out);
   if (method == "key_norm") return make<P::key_norm>("key_norm", overrides, device, out);
-  if (method == "criticalkv" || method == "critical_adakv")
+  if (method == "criticalkv" || method == "critical_adakv" || method == "defensivekv")
     return status::error(errc::not_supported, "method '%s' runs on the CPU backend only (docs/cuda.md): pass CPU tensors",
                          method.c_str());
   if (method == "adakv_published")  // not instantiated in the binding's CUDA unit (compile time); the C++ backend has it

@@ -56,7 +56,7 @@ kvevict::status make_evictor(const std::string& method, const param_map& overrid
 }
 
 std::vector<std::string> method_names() {
-  return {"restkv", "snapkv", "pyramidkv", "adakv", "adakv_published", "criticalkv", "critical_adakv", "h2o", "tova", "streaming_llm", "key_norm",
+  return {"restkv", "snapkv", "pyramidkv", "adakv", "adakv_published", "criticalkv", "critical_adakv", "defensivekv", "h2o", "tova", "streaming_llm", "key_norm",
           "lkv", "lkv_uniform_budgets", "lkv_budgets_restkv", "lkv_budgets_attention"};
 }
 

@@ -36,6 +36,14 @@ void fields(kvevict::scorers::output_reconstruction::params& p, F&& f) {
   f("include_window_in_output", p.include_window_in_output);
 }
 template <class F>
+void fields(kvevict::scorers::defensive_attention::params& p, F&& f) {
+  static const char* const rules[3] = {"preceding_keys", "window", "none"};
+  f("kernel", p.kernel);
+  f("clamp_at_mean", p.clamp_at_mean);
+  f("mass_threshold", p.mass_threshold);
+  f("share", enum_field<kvevict::scorers::defensive_attention::share_rule, 3>{&p.share, rules});
+}
+template <class F>
 void fields(kvevict::scorers::accumulated_attention::params& p, F&& f) {
   f("normalize_by_visible", p.normalize_by_visible);
 }

@@ -29,7 +29,8 @@ from kvevict.models import llama2c
 # AdaKV+LKV-T composition are not methods of the binding)
 ROWS = {
     "ReST-KV": "restkv", "SnapKV": "snapkv", "PyramidKV": "pyramidkv", "AdaKV": "adakv", "H2O": "h2o", "TOVA": "tova",
-    "StreamingLLM": "streaming_llm", "KeyNorm": "key_norm", "CriticalKV": "criticalkv", "CriticalAdaKV": "critical_adakv", "LKV": "lkv",
+    "StreamingLLM": "streaming_llm", "KeyNorm": "key_norm", "CriticalKV": "criticalkv", "CriticalAdaKV": "critical_adakv", "DefensiveKV": "defensivekv",
+    "LKV": "lkv",
     "Uniform+LKV-T": "lkv_uniform_budgets", "LKV-H+ReST-KV": "lkv_budgets_restkv", "LKV-H+SnapKV": "lkv_budgets_attention",
 }
 ARTIFACT = os.environ.get("KVEVICT_LKV_ARTIFACT") or os.path.join(REPO, "artifacts", "lkv", "stories260K.lkv")

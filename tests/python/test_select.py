@@ -91,7 +91,7 @@ def run_method(method, q, k, v, wo, layout="HND", budget=32, **kw):
     extra = {}
     if method == "restkv":
         extra["wo_factor"] = kvevict.wo_factors(wo, qh.shape[1])
-    if method in ("criticalkv", "critical_adakv"):
+    if method in ("criticalkv", "critical_adakv", "defensivekv"):
         extra["wo"] = wo
     if method == "h2o":  # every prompt query: the window is the whole prompt
         L = hnd(k, layout).shape[2]

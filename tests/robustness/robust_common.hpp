@@ -28,7 +28,7 @@ using kvevict::half_t;
 #define KVEVICT_ROBUST_PRESETS                                                                                  \
   kvevict::presets::restkv, kvevict::presets::snapkv, kvevict::presets::pyramidkv, kvevict::presets::adakv, \
       kvevict::presets::h2o, kvevict::presets::tova, kvevict::presets::streaming_llm, kvevict::presets::key_norm, \
-      kvevict::presets::criticalkv, kvevict::presets::critical_adakv
+      kvevict::presets::criticalkv, kvevict::presets::critical_adakv, kvevict::presets::defensivekv
 
 template <class P>
 inline std::string preset_name() {
@@ -43,6 +43,7 @@ inline std::string preset_name() {
   if (std::is_same<P, key_norm>::value) return "key_norm";
   if (std::is_same<P, criticalkv>::value) return "criticalkv";
   if (std::is_same<P, critical_adakv>::value) return "critical_adakv";
+  if (std::is_same<P, defensivekv>::value) return "defensivekv";
   if (std::is_same<P, adakv_published>::value) return "adakv_published";
   if (std::is_same<P, lkv>::value) return "lkv";
   if (std::is_same<P, lkv_uniform_budgets>::value) return "lkv_uniform_budgets";

@@ -84,6 +84,7 @@ void check_every_preset(const paged_case& pc, kvtest::layout src_layout, std::ve
   run(std::common_type<kv::presets::adakv>{}, "adakv");
   run(std::common_type<kv::presets::criticalkv>{}, "criticalkv");
   run(std::common_type<kv::presets::critical_adakv>{}, "critical_adakv");
+  if (gqa == kv::gqa_reduction::mean) run(std::common_type<kv::presets::defensivekv>{}, "defensivekv");  // aggregates the group itself
   run(std::common_type<kv::presets::h2o>{}, "h2o");
   run(std::common_type<kv::presets::tova>{}, "tova");
   run(std::common_type<kv::presets::streaming_llm>{}, "streaming_llm");
