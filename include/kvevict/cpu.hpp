@@ -9,6 +9,7 @@
 #include "kvevict/kvevict.hpp"
 #include "kvevict/backends/cpu/backend.hpp"
 #include "kvevict/backends/cpu/budgeters/adakv.hpp"
+#include "kvevict/backends/cpu/budgeters/threshold.hpp"
 #include "kvevict/backends/cpu/compact.hpp"
 #include "kvevict/backends/cpu/compact_paged.hpp"
 #include "kvevict/backends/cpu/evictor.hpp"

@@ -849,3 +849,138 @@ TEST_CASE("budgeter floors through the evictor (attack): GQA per query head / ma
   MESSAGE("runs " << runs << ", rows floored to 1 token " << floored);
   CHECK(floored > 50);
 }
+
+// ---- budgeters::threshold ---------------------------------------------------------------------
+
+namespace {
+/// SnapKV's scores with the threshold budgeter (the budget request is the per-head cap).
+using threshold_policy = kvevict::eviction_policy<kvevict::scorers::attention_weight, kvevict::temporal::mean,
+                                                  kvevict::spatial::avg_pool, kvevict::budgeters::threshold>;
+
+/// The threshold rule on one head's candidate scores (fp64, full sort): how many pass, before floor and cap.
+std::int64_t passing(const std::vector<float>& s, const kvevict::budgeters::threshold::params& p) {
+  std::vector<float> v = s;
+  std::sort(v.begin(), v.end(), [](float a, float b) {
+    const bool na = a != a, nb = b != b;
+    if (na != nb) return nb;
+    return !na && a > b;
+  });
+  std::int64_t c = 0;
+  if (p.mode == kvevict::budgeters::threshold::rule::score) {
+    for (float x : v) c += (x >= p.threshold) ? 1 : 0;
+    return c;
+  }
+  double total = 0.0, cum = 0.0;
+  for (float x : v) total += std::max(0.0, double(x));
+  const double goal = double(p.threshold) * total;
+  if (!(total > 0.0) || !(goal > 0.0)) return 0;
+  while (c < std::int64_t(v.size()) && cum < goal) cum += std::max(0.0, double(v[size_t(c++)]));
+  return c;
+}
+}  // namespace
+
+TEST_CASE("budgeters::threshold: per-head counts from the scores, floor, cap, per-sequence cap; kept sets are the passing sets") {
+  using thr = kvevict::budgeters::threshold;
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 3, s.group = 2, s.cap = 64, s.d = 16, s.window = 8;
+  int non_trivial = 0;
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+    kvtest::problem p = kvtest::make_problem(s, 300 + seed, 1.0, 2.0, 1.0, seed % 2 ? std::vector<std::int32_t>{64, 50, 60, 64, 30, 12} : std::vector<std::int32_t>{});
+    kvtest::stored<float> st;
+    kvtest::store(p, kvtest::layout::nhd, st);
+    for (int variant = 0; variant < 5; ++variant) {
+      auto prm = threshold_policy::defaults();
+      prm.budgeter.mode = variant % 2 ? thr::rule::mass : thr::rule::score;
+      prm.budgeter.threshold = variant % 2 ? 0.5f + 0.1f * float(variant) : 0.02f * float(variant + 1);
+      prm.budgeter.min_candidates = variant == 2 ? 5 : 1;
+      prm.budgeter.max_tokens = variant >= 3 ? 20 : 0;
+      kvevict::evictor<threshold_policy, kvevict::cpu::backend> ev(prm);
+      const std::int32_t B = 24;
+      const auto lib = kvtest::run_lib(ev, st.in, kvevict::budget_request::tokens(B));
+      REQUIRE_MESSAGE(lib.st.ok(), lib.st.message());
+      CHECK(ev.max_selected(st.in, kvevict::budget_request::tokens(B)) >= lib.indptr.back());
+      for (std::int64_t b = 0; b < s.batch; ++b) {
+        std::vector<std::int64_t> cnt(size_t(s.kv_heads)), flo(size_t(s.kv_heads));
+        std::vector<std::vector<float>> cand(size_t(s.kv_heads));
+        std::int64_t sum = 0, floors = 0;
+        for (std::int64_t h = 0; h < s.kv_heads; ++h) {
+          const std::int64_t r = b * s.kv_heads + h, L = p.length(b, h), w = std::min(s.window, L);
+          if (L <= B) {  // kept whole
+            CHECK(lib.indptr[size_t(r + 1)] - lib.indptr[size_t(r)] == L);
+            cnt[size_t(h)] = -1;
+            continue;
+          }
+          cand[size_t(h)].assign(lib.row_scores(r), lib.row_scores(r) + (L - w));
+          const std::int64_t cap = std::min<std::int64_t>(B - w, L - w), f = std::min<std::int64_t>(prm.budgeter.min_candidates, cap);
+          cnt[size_t(h)] = std::min(std::max(passing(cand[size_t(h)], prm.budgeter), f), cap);
+          flo[size_t(h)] = std::min(f, cnt[size_t(h)]);
+          sum += cnt[size_t(h)];
+          floors += flo[size_t(h)];
+        }
+        if (prm.budgeter.max_tokens > 0 && sum > prm.budgeter.max_tokens) {
+          // floors, then the best remaining passing candidates of all heads (ties: lower head, then index)
+          struct c3 { float v; std::int64_t h, rank; };
+          std::vector<c3> rest;
+          for (std::int64_t h = 0; h < s.kv_heads; ++h) {
+            if (cnt[size_t(h)] < 0) continue;
+            std::vector<float> v = cand[size_t(h)];
+            std::stable_sort(v.begin(), v.end(), [](float a, float c) { return a > c; });
+            for (std::int64_t k = flo[size_t(h)]; k < cnt[size_t(h)]; ++k) rest.push_back({v[size_t(k)], h, k});
+            cnt[size_t(h)] = flo[size_t(h)];
+          }
+          std::stable_sort(rest.begin(), rest.end(), [](const c3& a, const c3& c) { return a.v > c.v; });
+          for (std::int64_t k = 0; k < std::min<std::int64_t>(prm.budgeter.max_tokens - floors, std::int64_t(rest.size())); ++k)
+            ++cnt[size_t(rest[size_t(k)].h)];
+          ++non_trivial;
+        }
+        for (std::int64_t h = 0; h < s.kv_heads; ++h) {
+          if (cnt[size_t(h)] < 0) continue;
+          const std::int64_t r = b * s.kv_heads + h, L = p.length(b, h), w = std::min(s.window, L);
+          const auto kept = lib.kept(r);
+          INFO("seed " << seed << " variant " << variant << " row " << r);
+          CHECK(std::int64_t(kept.size()) == w + cnt[size_t(h)]);
+          // the kept candidates are the head's best by score (no unkept candidate scores higher)
+          float worst_kept = std::numeric_limits<float>::infinity(), best_dropped = -std::numeric_limits<float>::infinity();
+          for (std::int64_t n = 0; n < L - w; ++n) {
+            const bool k = std::binary_search(kept.begin(), kept.end(), std::int32_t(n));
+            const float v = lib.row_scores(r)[n];
+            if (k) worst_kept = std::min(worst_kept, v);
+            else best_dropped = std::max(best_dropped, v);
+          }
+          if (cnt[size_t(h)] > 0 && cnt[size_t(h)] < L - w) CHECK(worst_kept >= best_dropped);
+          for (std::int64_t n = L - w; n < L; ++n) CHECK(std::binary_search(kept.begin(), kept.end(), std::int32_t(n)));
+        }
+      }
+    }
+  }
+  CHECK(non_trivial > 0);  // the per-sequence cap bound somewhere
+}
+
+TEST_CASE("budgeters::threshold: a threshold no score passes keeps the floor; errors name the parameter") {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 1, s.cap = 40, s.d = 8, s.window = 4;
+  kvtest::problem p = kvtest::make_problem(s, 77);
+  kvtest::stored<float> st;
+  kvtest::store(p, kvtest::layout::nhd, st);
+  auto prm = threshold_policy::defaults();
+  prm.budgeter.threshold = 1e30f;  // nothing passes
+  prm.budgeter.min_candidates = 3;
+  kvevict::evictor<threshold_policy, kvevict::cpu::backend> ev(prm);
+  const auto lib = kvtest::run_lib(ev, st.in, kvevict::budget_request::tokens(20));
+  REQUIRE(lib.st.ok());
+  CHECK(lib.indptr == std::vector<std::int32_t>{0, 7, 14});  // window 4 + floor 3 per head
+  auto bad = [&](auto edit, const char* what) {
+    auto q = threshold_policy::defaults();
+    edit(q.budgeter);
+    kvevict::evictor<threshold_policy, kvevict::cpu::backend> e(q);
+    const auto r = kvtest::run_lib(e, st.in, kvevict::budget_request::tokens(20));
+    INFO(what);
+    REQUIRE_FALSE(r.st.ok());
+    CHECK(std::string(r.st.message()).find(what) != std::string::npos);
+  };
+  bad([](auto& b) { b.threshold = std::numeric_limits<float>::infinity(); }, "budgeter.threshold = inf");
+  bad([](auto& b) { b.mode = kvevict::budgeters::threshold::rule::mass; b.threshold = 1.5f; }, "budgeter.threshold = 1.5");
+  bad([](auto& b) { b.min_candidates = -1; }, "budgeter.min_candidates = -1");
+  bad([](auto& b) { b.max_tokens = -2; }, "budgeter.max_tokens = -2");
+  bad([](auto& b) { b.mode = static_cast<kvevict::budgeters::threshold::rule>(7); }, "budgeter.mode = 7");
+}

@@ -299,3 +299,36 @@ TEST_CASE("defensivekv: errors name the parameter, outputs untouched") {
   no_wo.wo = {};
   expect_error(prm, "wo", no_wo);
 }
+
+TEST_CASE("defensivekv: layer_wide_topk over one layer is the preset's own flattened allocation") {
+  // Layer-DefensiveKV's cut (kvevict::layer_wide_topk) over a single layer keeps T = heads x (B - w)
+  // candidates by the preset's final scores (maybe_scores): exactly the preset's AdaKV (alpha 0) choice.
+  kvtest::shape s;
+  s.batch = 1;
+  s.kv_heads = 4;
+  s.group = 2;
+  s.cap = 80;
+  s.d = 16;
+  s.window = 8;
+  s.hidden = 24;
+  for (std::uint64_t seed : {11u, 12u, 13u}) {
+    kvtest::problem p = kvtest::make_problem(s, seed, 1.0, 1.5, 1.0);
+    kvtest::stored<float> st;
+    kvtest::store(p, layout::nhd, st);
+    for (std::int32_t B : {16, 30}) {
+      kv::evictor<kv::presets::defensivekv, kv::cpu::backend> ev(kv::presets::defensivekv::defaults());
+      const auto lib = kvtest::run_lib(ev, st.in, kv::budget_request::tokens(B));
+      REQUIRE(lib.st.ok());
+      kv::layer_wide_topk w;
+      REQUIRE(w.reset(1, s.kv_heads).ok());
+      std::vector<std::int64_t> len(static_cast<std::size_t>(s.kv_heads), s.cap), sinks(len.size(), 0), recent(len.size(), s.window);
+      REQUIRE(w.add_layer(0, lib.scores.data(), s.cap, len.data(), sinks.data(), recent.data()).ok());
+      REQUIRE(w.cut(s.kv_heads * (B - s.window)).ok());
+      std::vector<std::int32_t> indptr(static_cast<std::size_t>(s.kv_heads + 1)), idx(static_cast<std::size_t>(s.kv_heads * s.cap));
+      REQUIRE(w.selection(0, kv::selection_view{indptr.data(), idx.data(), nullptr, static_cast<std::int64_t>(idx.size())}).ok());
+      CHECK(indptr == lib.indptr);
+      CHECK(std::vector<std::int32_t>(idx.begin(), idx.begin() + indptr.back()) ==
+            std::vector<std::int32_t>(lib.indices.begin(), lib.indices.begin() + lib.indptr.back()));
+    }
+  }
+}

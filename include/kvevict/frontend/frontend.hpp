@@ -86,6 +86,13 @@ template <class Sel>
 struct selector_reads_secondary<Sel, std::void_t<decltype(Sel::reads_secondary_scores)>>
     : std::integral_constant<bool, Sel::reads_secondary_scores> {};
 
+/// A budgeter whose budgets are caps (a head may keep fewer: budgeters::threshold) declares
+/// `static constexpr bool budget_is_cap = true`; max_selected is then a bound.
+template <class Bu, class = void>
+struct budget_is_cap : std::false_type {};
+template <class Bu>
+struct budget_is_cap<Bu, std::void_t<decltype(Bu::budget_is_cap)>> : std::integral_constant<bool, Bu::budget_is_cap> {};
+
 /// How a budgeter allocates; it decides which steps a driver runs.
 ///  - per_head:     Budgeter::head_budget(params, plan, layer, num_layers), before any scoring;
 ///  - score_driven: needs_scores (AdaKV): each head starts at its base budget, and the backend's
@@ -423,6 +430,7 @@ struct frontend {
       pl.max_selected = kept_upper_bound(in, p, budget);
       pl.max_selected_exact = false;
     }
+    if constexpr (budget_is_cap<Budgeter>::value) pl.max_selected_exact = false;  // heads may keep less (budgeters::threshold)
     if (const std::int64_t slack = total_slack(p.budgeter, pl.out_heads); slack > 0) {
       // a score-driven budgeter that does not keep each sequence's total (AdaKV's reference rounding)
       pl.max_selected += in.batch() * slack;

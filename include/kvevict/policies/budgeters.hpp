@@ -264,5 +264,50 @@ struct adakv {
   }
 };
 
+/// Threshold allocation: each head keeps the candidates that pass a threshold, never more than its
+/// budget. The budget request is a cap (B per head, protected tokens counted); how many tokens a head
+/// keeps below it is a result of the scores (the selection's indptr reports it per head). Two rules:
+///  - score: the candidates whose score is >= threshold (a log-score threshold with a window, KVzap;
+///    NaN never passes);
+///  - mass: the fewest highest-scoring candidates whose share of the head's candidate score sum
+///    reaches threshold in [0, 1] (the cumulative attention mass of DefensiveKV's first stage;
+///    negative scores count as 0; a head whose sum is 0 keeps none by the rule).
+/// Then per head: at least min(min_candidates, candidates) (the floor: without it a threshold can
+/// empty a head), at most B - protected; and per sequence, when max_tokens > 0, at most max_tokens
+/// candidates over its heads: each head's floor first, the rest to the highest-scoring passing
+/// candidates of all heads (ties: lower head, then lower index). If the floors alone exceed
+/// max_tokens, the floors win. Heads kept whole (L <= B) are not counted. The selector then keeps
+/// each head's best candidates by score (selectors::topk), so the kept set is the passing set.
+/// max_selected is the cap's total (eviction_plan::max_selected_exact = false).
+/// Errors: threshold not finite, or outside [0, 1] with the mass rule; rule not a rule;
+/// min_candidates or max_tokens negative.
+struct threshold {
+  enum class rule : int { score = 0, mass = 1 };
+  struct params {
+    rule mode = rule::score;
+    float threshold = 0.0f;
+    std::int32_t min_candidates = 1;  ///< per-head floor of kept candidates
+    std::int64_t max_tokens = 0;      ///< per-sequence cap on kept candidates over its heads; 0: none
+  };
+  static constexpr const char* name = "threshold";
+  static constexpr bool needs_scores = true;
+  /// Budgets are caps: a head keeps at most its base budget (the frontend's max_selected is a bound).
+  static constexpr bool budget_is_cap = true;
+  static status check(const params& p) {
+    const int m = static_cast<int>(p.mode);
+    if (m < 0 || m > 1) return status::error(errc::invalid_argument, "budgeter.mode = %d is not a threshold rule", m);
+    if (!std::isfinite(p.threshold))
+      return status::error(errc::invalid_argument, "budgeter.threshold = %g must be finite", static_cast<double>(p.threshold));
+    if (p.mode == rule::mass && !(p.threshold >= 0.0f && p.threshold <= 1.0f))
+      return status::error(errc::invalid_argument, "budgeter.threshold = %g must be in [0, 1] with the mass rule",
+                           static_cast<double>(p.threshold));
+    if (p.min_candidates < 0)
+      return status::error(errc::invalid_argument, "budgeter.min_candidates = %d must be >= 0", p.min_candidates);
+    if (p.max_tokens < 0)
+      return status::error(errc::invalid_argument, "budgeter.max_tokens = %lld must be >= 0 (0: no cap)", static_cast<long long>(p.max_tokens));
+    return {};
+  }
+};
+
 }  // namespace budgeters
 }  // namespace kvevict

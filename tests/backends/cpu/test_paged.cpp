@@ -62,6 +62,18 @@ void check_paged_equals_contiguous(const char* name, const kvtest::stored<T>& st
   }
 }
 
+/// Threshold selection (budgeters::threshold, the mass rule at 0.6) on SnapKV's scores: heads keep
+/// fewer tokens than their cap, decided by the scores.
+struct threshold_snapkv : kv::eviction_policy<kv::scorers::attention_weight, kv::temporal::mean, kv::spatial::avg_pool,
+                                              kv::budgeters::threshold> {
+  static params defaults() {
+    params p;
+    p.budgeter.mode = kv::budgeters::threshold::rule::mass;
+    p.budgeter.threshold = 0.6f;
+    return p;
+  }
+};
+
 template <class T>
 void check_every_preset(const paged_case& pc, kvtest::layout src_layout, std::vector<std::int32_t> lens, std::int64_t group = 2,
                         kv::gqa_reduction gqa = kv::gqa_reduction::mean) {
@@ -85,6 +97,7 @@ void check_every_preset(const paged_case& pc, kvtest::layout src_layout, std::ve
   run(std::common_type<kv::presets::criticalkv>{}, "criticalkv");
   run(std::common_type<kv::presets::critical_adakv>{}, "critical_adakv");
   if (gqa == kv::gqa_reduction::mean) run(std::common_type<kv::presets::defensivekv>{}, "defensivekv");  // aggregates the group itself
+  run(std::common_type<threshold_snapkv>{}, "threshold_snapkv");
   run(std::common_type<kv::presets::h2o>{}, "h2o");
   run(std::common_type<kv::presets::tova>{}, "tova");
   run(std::common_type<kv::presets::streaming_llm>{}, "streaming_llm");

@@ -89,6 +89,11 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   // Every stage the policy runs has a CUDA implementation (else the trait's message fires here).
   static_assert(sizeof(scorer_i) > 0 && sizeof(spatial_i) > 0 && sizeof(budgeter_i) > 0 && sizeof(selector_i) > 0,
                 "kvevict: a stage of this policy has no CUDA implementation");
+  static_assert(!kvevict::detail::scorer_combines_heads<Scorer>::value,
+                "kvevict: this scorer combines the KV heads of a sequence (combines_heads, e.g. scorers::defensive_attention): "
+                "the CUDA evictor has no per-sequence pass yet; use the CPU backend");
+  static_assert(!kvevict::detail::budget_is_cap<Budgeter>::value,
+                "kvevict: budgets-as-caps budgeters (budgeters::threshold) run on the CPU backend only");
 
  public:
   using api_base::params;
