@@ -10,12 +10,15 @@
 //   lkv      lkv::full with a synthetic 32-layer table: the MLP, kv_heads * L * (4 * hidden * d + 4 * hidden)
 //   lkv_scorer_scalar / lkv_scorer_blocked: that MLP alone on one layer, utility() per token vs
 //            cpu::learned_mlp_rows::score_rows (one thread; same flops)
+//   critical_adakv / defensivekv  (f32, 1k and 4k) SnapKV's window attention + the value norms
+//            ||v W_O^h||_1 of every query head, 2 q_heads L d C with C = 4096 (W_O read once)
 //   h2o      the whole prompt as window (W = L): 2 * 32 L^2 d + 2 * 32 L^2, i.e. what the
 //            blocked CPU scorer computes (each 32-row block computes all L logits, the causal
 //            upper triangle is masked after the product). O(L^2): measured at 1k and 4k only.
 // Counters: extra_bytes = workspace_size() + the heap bytes run() allocates itself (peak,
 // measured with the malloc counter of bench/common/alloc_counter.hpp around one run).
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -40,6 +43,11 @@ void run_preset(benchmark::State& st, std::int64_t W, double flops, const typena
   const auto& data = kb::get_layer<T>(L, W);
   auto in = data.inputs();
   if (num_layers > 0) in.num_layers = num_layers;  // layer 0 of a num_layers model (LKV's global budgets)
+  if constexpr (kvevict::detail::scorer_needs_wo_matrix<typename Preset::scorer>::value) {
+    static_assert(std::is_same<T, float>::value, "the W_O benchmarks are fp32");
+    const std::vector<float>& wo = kb::wo_matrix();  // (C, q_heads * d), [out][in]
+    in.wo = kvevict::strided_view<const float, 2>{wo.data(), {kb::kHidden, kb::kQHeads * kb::kHeadDim}, {kb::kQHeads * kb::kHeadDim, 1}};
+  }
   kvevict::evictor<Preset, kvevict::cpu::backend> ev(p, kvevict::cpu::backend{threads});
   const auto budget = kvevict::budget_request::tokens(static_cast<std::int32_t>(kb::bench_budget(L)));
   const kvevict::status ok = ev.can_implement(in, budget);
@@ -70,6 +78,7 @@ void run_preset(benchmark::State& st, std::int64_t W, double flops, const typena
   double bytes = kb::D(kb::kKvHeads * L) * d * sz + kb::D(kb::kQHeads * W) * d * sz + static_cast<double>(cap) * 4.0;
   if (Preset::scorer::needs_values) bytes += kb::D(kb::kKvHeads * L) * d * sz;
   if (Preset::scorer::needs_wo_factor(ev.params().scorer)) bytes += kb::kQHeads * d * d * 4.0;
+  if constexpr (kvevict::detail::scorer_needs_wo_matrix<typename Preset::scorer>::value) bytes += kb::D(kb::kHidden) * kb::kQHeads * d * 4.0;
   kb::set_cost(st, static_cast<double>(L), bytes, flops);
   st.counters["workspace_bytes"] = static_cast<double>(ws_bytes);
   st.counters["extra_bytes"] = static_cast<double>(ws_bytes + static_cast<std::size_t>(heap));
@@ -89,6 +98,16 @@ void BM_snapkv(benchmark::State& st) {
 template <class T>
 void BM_adakv(benchmark::State& st) {
   run_preset<kvevict::presets::adakv, T>(st, kb::kWindow, snap_flops(st.range(0), kb::kWindow));
+}
+/// The value norms ||v W_O^h||_1 of CriticalKV and DefensiveKV: every query head projects every value
+/// to the hidden size, 2 q_heads L d C.
+double value_norm_flops(std::int64_t L) { return 2.0 * kb::D(kb::kQHeads * L) * kb::kHeadDim * kb::D(kb::kHidden); }
+void BM_critical_adakv(benchmark::State& st) {
+  run_preset<kvevict::presets::critical_adakv, float>(st, kb::kWindow, snap_flops(st.range(0), kb::kWindow) + value_norm_flops(st.range(0)));
+}
+void BM_defensivekv(benchmark::State& st) {
+  // + the pooling of every window row (G w L k adds, not counted)
+  run_preset<kvevict::presets::defensivekv, float>(st, kb::kWindow, snap_flops(st.range(0), kb::kWindow) + value_norm_flops(st.range(0)));
 }
 template <class T>
 void BM_h2o(benchmark::State& st) {
@@ -197,6 +216,8 @@ struct registrar {
     kb::register_seq("preset_lkv/bf16", BM_lkv<bfloat16_t>, kb::kSeqLens, iters_preset);
     kb::register_seq("lkv_scorer_scalar/f32", BM_lkv_scorer<false>, {4096}, iters_once);
     kb::register_seq("lkv_scorer_blocked/f32", BM_lkv_scorer<true>, {4096, 32768}, nullptr);
+    kb::register_seq("preset_critical_adakv/f32", BM_critical_adakv, {1024, 4096}, iters_once);
+    kb::register_seq("preset_defensivekv/f32", BM_defensivekv, {1024, 4096}, iters_once);
     kb::register_seq("preset_h2o/f32", BM_h2o<float>, {1024, 4096}, iters_h2o);
     kb::register_seq("preset_h2o/bf16", BM_h2o<bfloat16_t>, {1024, 4096}, iters_h2o);
     kb::register_seq("caller_threads_1/snapkv_1thread/f32", BM_caller_threads<1>, {4096, 16384}, nullptr);

@@ -345,16 +345,19 @@ result evict_layer_wide(const layer_state& s, const typename Policy::params& p, 
                 return result::failure("layer_wide_method: " + std::string(st.message()));
         }
         if (const kvevict::status st = wide.cut(total); !st.ok()) return result::failure(st.message());
+        // every layer's selection first, then the compactions (a failure leaves the cache untouched)
+        std::vector<std::vector<std::int32_t>> ptrs(static_cast<size_t>(nl)), idxs(static_cast<size_t>(nl));
         for (int l = 0; l < nl; ++l) {
-            indptr.assign(size_t(H) + 1, 0);
-            indices.assign(size_t(std::max<std::int64_t>(wide.kept(l), 1)), 0);
+            ptrs[size_t(l)].assign(size_t(H) + 1, 0);
+            idxs[size_t(l)].assign(size_t(std::max<std::int64_t>(wide.kept(l), 1)), 0);
             kvevict::selection_view sel;
-            sel.indptr = indptr.data();
-            sel.indices = indices.data();
-            sel.capacity = std::int64_t(indices.size());
+            sel.indptr = ptrs[size_t(l)].data();
+            sel.indices = idxs[size_t(l)].data();
+            sel.capacity = std::int64_t(idxs[size_t(l)].size());
             if (const kvevict::status st = wide.selection(l, sel); !st.ok()) return result::failure(st.message());
-            if (result r = apply_selection(c, l, indptr.data(), indices.data()); !r) return r;
         }
+        for (int l = 0; l < nl; ++l)
+            if (result r = apply_selection(c, l, ptrs[size_t(l)].data(), idxs[size_t(l)].data()); !r) return r;
         return result::success();
 }
 

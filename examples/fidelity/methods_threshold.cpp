@@ -6,7 +6,9 @@
 //                   request of 2B per head), and the sequence at most heads x (B - window) candidates
 //                   in all (the floors first, then the best passing candidates of all heads). B is the
 //                   row's label (floor(f x L)), so the row never keeps more than the others; it keeps
-//                   less where the heads' mass is concentrated (the report prints the kept memory).
+//                   less where the heads' mass is concentrated (the report prints the kept memory). The
+//                   caps come from head 0's plan (the engine's heads have one length after a prefill);
+//                   under a decode schedule the schedule's budget is the per-head cap.
 #include <algorithm>
 
 #include "methods.hpp"
@@ -27,7 +29,8 @@ kvevict_engine::result evict_threshold(const kvevict_engine::layer_state& s, int
     if (hp.pass_through) return kvevict_engine::evict_layer<threshold_snapkv>(s, p, window);
     p.budgeter.max_tokens = H * (hp.base_budget - hp.protected_count());
     kvevict_engine::layer_state s2 = s;
-    s2.budget = kvevict::budget_request::tokens(static_cast<std::int32_t>(std::min<std::int64_t>(2 * hp.base_budget, L)));
+    // a per-head cap of 2B, below L so that no head passes through whole (B < L here)
+    s2.budget = kvevict::budget_request::tokens(static_cast<std::int32_t>(std::min<std::int64_t>(2 * hp.base_budget, L - 1)));
     return kvevict_engine::evict_layer<threshold_snapkv>(s2, p, window);
 }
 

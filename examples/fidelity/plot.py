@@ -12,8 +12,8 @@ kl_diff_ref_se, ...).
 - Error bars: +- the standard error of the paired difference to the reference row (the CSV's
   reference column, SnapKV by default), the uncertainty the report's comparisons use; the reference row
   itself has none.
-- Panels: training-free methods on the GQA cache (window-attention scores; other scores); the published
-  per-query-head forms; learned rows (LKV); references (greedy searches, the random floor), each with the
+- Panels: training-free methods on the GQA cache (window-attention scores; other scores; the 2026
+  methods: DefensiveKV, Layer-DefensiveKV, threshold budgets); the published per-query-head forms; learned rows (LKV); references (greedy searches, the random floor), each with the
   reference row drawn in grey for scale.
   At most 8 rows per panel, each a distinct colour and marker.
 """
@@ -38,10 +38,13 @@ def family(name):
         return "published per-query-head forms (G x the memory)"
     if name in ("H2O", "TOVA", "StreamingLLM", "KeyNorm"):
         return "training-free, other scores (GQA cache)"
+    if "DefensiveKV" in name or name.startswith("Threshold"):
+        return "2026: defensive aggregation, layer-wide and threshold budgets"
     return "training-free, window attention (GQA cache)"
 
 
 FAMILIES = ["training-free, window attention (GQA cache)", "training-free, other scores (GQA cache)",
+            "2026: defensive aggregation, layer-wide and threshold budgets",
             "published per-query-head forms (G x the memory)", "learned (LKV; trained on other Sherlock excerpts)",
             "references: greedy searches and the random floor"]
 

@@ -977,6 +977,8 @@ TEST_CASE("budgeters::threshold: a threshold no score passes keeps the floor; er
     INFO(what);
     REQUIRE_FALSE(r.st.ok());
     CHECK(std::string(r.st.message()).find(what) != std::string::npos);
+    for (auto x : r.indptr) CHECK(x == -7);  // outputs untouched
+    for (auto x : r.indices) CHECK(x == -7);
   };
   bad([](auto& b) { b.threshold = std::numeric_limits<float>::infinity(); }, "budgeter.threshold = inf");
   bad([](auto& b) { b.mode = kvevict::budgeters::threshold::rule::mass; b.threshold = 1.5f; }, "budgeter.threshold = 1.5");

@@ -460,8 +460,10 @@ TEST_CASE_TEMPLATE("kind 4: GQA selections have kv_heads rows; memory = kept x H
   const std::size_t bytes = (kc.size() + vc.size()) * sizeof(half_t);
   CHECK(bytes == static_cast<std::size_t>(kept) * 2 * s.D * sizeof(half_t));
   CHECK(kept < s.B * s.Hkv * s.S);  // something was evicted
-  // per_query_head (reference-code mode) is explicit: q_heads rows.
-  if (P::defaults().gqa == kvevict::gqa_reduction::mean && traits<P>::needs_queries) {
+  // per_query_head (reference-code mode) is explicit: q_heads rows (a scorer that aggregates the group
+  // itself, DefensiveKV, refuses it at plan time instead).
+  if (P::defaults().gqa == kvevict::gqa_reduction::mean && traits<P>::needs_queries &&
+      !kvevict::detail::scorer_combines_heads<typename P::scorer>::value) {
     auto p = P::defaults();
     p.gqa = kvevict::gqa_reduction::per_query_head;
     const result rq = run_checked<P>(pr, budget, p);

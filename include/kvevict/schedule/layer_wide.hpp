@@ -8,8 +8,9 @@
 // before any layer is cut; during a layer-wise prefill that means:
 //   1. as each layer is prefilled, run its evictor with maybe_scores (the selection is discarded;
 //      nothing is compacted yet) and add_layer() the scores: the object copies each row's candidate
-//      scores (sum over rows of the candidates, 4 bytes each: one float per cached token and head, a
-//      2 / (head_dim x bytes per element) fraction of the KV it ranks);
+//      scores (4 bytes and a 1-byte flag per candidate: a 5 / (2 head_dim x bytes per element)
+//      fraction of the KV it ranks, 1/102 of an fp16 cache at head_dim 128; cut() takes 4 more bytes
+//      per candidate while it runs);
 //   2. after the last layer, cut(T): one flattened top-T over every stored candidate (ties: the lower
 //      layer, then the lower row, then the lower index; NaN below every number);
 //   3. selection(l, ...) writes layer l's kept slots (the row's protected tokens and its winners,
@@ -82,32 +83,53 @@ class layer_wide_topk {
     return {};
   }
 
-  /// Keeps `total` candidates over every layer and row (all of them when total exceeds their number).
-  /// Errors: a layer not added, total < 0.
+  /// Keeps `total` candidates over every layer and row (all of them when total exceeds their number):
+  /// the T-th largest score by nth_element over a float copy, O(candidates). Errors: a layer not
+  /// added, total < 0 (nothing changes on error).
   status cut(std::int64_t total) {
     if (total < 0) return status::error(errc::invalid_argument, "total = %lld must be >= 0", static_cast<long long>(total));
-    struct cand {
-      float s;
-      std::int32_t l;
-      std::int64_t i;  // index into the layer's stored candidates (rows in order, then tokens)
-    };
-    std::vector<cand> all;
+    std::vector<float> numbers;  // every stored score that is a number (4 bytes per candidate)
+    std::int64_t all = 0;
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       if (!layers_[l].added) return status::error(errc::invalid_argument, "layer %d was not added before cut()", static_cast<int>(l));
-      std::fill(layers_[l].won.begin(), layers_[l].won.end(), 0);
-      for (std::size_t i = 0; i < layers_[l].scores.size(); ++i)
-        all.push_back(cand{layers_[l].scores[i], static_cast<std::int32_t>(l), static_cast<std::int64_t>(i)});
+      all += static_cast<std::int64_t>(layers_[l].scores.size());
     }
-    const std::int64_t T = std::min<std::int64_t>(total, static_cast<std::int64_t>(all.size()));
-    auto better = [](const cand& a, const cand& b) {
-      const bool na = !(a.s == a.s), nb = !(b.s == b.s);
-      if (na != nb) return nb;
-      if (!na && a.s != b.s) return a.s > b.s;
-      if (a.l != b.l) return a.l < b.l;
-      return a.i < b.i;
-    };
-    if (T > 0 && T < static_cast<std::int64_t>(all.size())) std::nth_element(all.begin(), all.begin() + (T - 1), all.end(), better);
-    for (std::int64_t t = 0; t < T; ++t) layers_[static_cast<std::size_t>(all[static_cast<std::size_t>(t)].l)].won[static_cast<std::size_t>(all[static_cast<std::size_t>(t)].i)] = 1;
+    numbers.reserve(static_cast<std::size_t>(all));
+    for (auto& ly : layers_) {
+      std::fill(ly.won.begin(), ly.won.end(), 0);
+      for (float x : ly.scores)
+        if (x == x) numbers.push_back(x);
+    }
+    const std::int64_t T = std::min(total, all), nnum = static_cast<std::int64_t>(numbers.size());
+    // Winners: every number above the T-th largest, then the ties at it and (when T reaches past the
+    // numbers) the NaNs, each in (layer, row, index) order until T are taken.
+    std::int64_t above = 0;
+    float theta = 0.0f;
+    bool nan_cut = T > nnum;  // every number wins; NaNs fill the rest
+    if (!nan_cut && T > 0) {
+      std::nth_element(numbers.begin(), numbers.begin() + (T - 1), numbers.end(), [](float a, float b) { return a > b; });
+      theta = numbers[static_cast<std::size_t>(T - 1)];
+    }
+    if (T > 0) {
+      for (auto& ly : layers_)
+        for (std::size_t i = 0; i < ly.scores.size(); ++i) {
+          const float x = ly.scores[i];
+          if (x == x && (nan_cut || x > theta)) {
+            ly.won[i] = 1;
+            ++above;
+          }
+        }
+      std::int64_t left = T - above;  // ties at theta (or NaNs), in order
+      for (auto& ly : layers_)
+        for (std::size_t i = 0; i < ly.scores.size() && left > 0; ++i) {
+          const float x = ly.scores[i];
+          if (ly.won[i]) continue;
+          if (nan_cut ? !(x == x) : x == theta) {
+            ly.won[i] = 1;
+            --left;
+          }
+        }
+    }
     cut_ = true;
     return {};
   }

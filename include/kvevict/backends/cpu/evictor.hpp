@@ -257,6 +257,9 @@ class evictor<Policy, cpu::backend> : public kvevict::detail::evictor_base<evict
   /// DefensiveKV: the scorer's rows are finished by one pass over the KV heads of each sequence
   /// (scorer_impl::combine_heads), which reads the aux rows the scorer wrote beside them.
   static constexpr bool combines_heads = kvevict::detail::scorer_combines_heads<Scorer>::value;
+  static_assert(!combines_heads || std::is_same<Spatial, spatial::none>::value,
+                "kvevict: a scorer that combines the heads of a sequence (combines_heads, e.g. scorers::defensive_attention) "
+                "finishes its rows itself: use spatial::none (a smoother would re-pool the final scores)");
 
   explicit evictor(params_type p = Policy::defaults(), cpu::backend be = {}) : api_base(p), be_(be) {}
 
@@ -747,12 +750,7 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
       if constexpr (combines_heads) {
         // once per sequence, over its heads (per-thread scratch of the smoothing phase: pre, idx)
         cpu::detail::parallel_for_threads(nt, B, [&](std::int64_t b, int tid) {
-          std::vector<std::int64_t> lw(static_cast<std::size_t>(2 * H));
-          for (std::int64_t h = 0; h < H; ++h) {
-            lw[static_cast<std::size_t>(h)] = in.length(b, h);
-            lw[static_cast<std::size_t>(H + h)] = std::min<std::int64_t>(in.window(), in.length(b, h));
-          }
-          cpu::scorer_impl<Scorer>::combine_heads(p_.scorer, buf.plans + b * H, buf.need + b * H, lw.data(), lw.data() + H, H, S,
+          cpu::scorer_impl<Scorer>::combine_heads(p_.scorer, buf.plans + b * H, buf.need + b * H, in.window(), H, S,
                                                   buf.scores + b * H * S, buf.aux + b * H * cpu::scorer_impl<Scorer>::aux_kept * S,
                                                   buf.aux_stat + b * H, buf.pre + static_cast<std::int64_t>(tid) * (S + 1),
                                                   buf.idx + static_cast<std::int64_t>(tid) * S);

@@ -123,16 +123,18 @@ struct scorer_impl<scorers::defensive_attention> : detail::window_scorer<scorer_
   /// Steps 3 and 4 of scorers::defensive_attention for one sequence of H KV heads: `scores` (H rows
   /// of stride S: S_h on entry, F_h on exit), `aux` (per head 2 rows of stride S: the mass row, the
   /// value-norm row, each reduced over the group), `stat` (per head: its mean window share), the
-  /// heads' plans, lengths and effective windows, and `need` (heads kept whole were not scored and
-  /// take no part). Scratch: U (S doubles), order (S int32).
-  static void combine_heads(const params& p, const kvevict::detail::head_plan* plans, const std::uint8_t* need, const std::int64_t* len,
-                            const std::int64_t* win, std::int64_t H, std::int64_t S, float* scores, const float* aux, const double* stat,
-                            double* U, std::int32_t* order) {
+  /// heads' plans (their lengths L), the observation window W (a head's window: min(W, L)), and
+  /// `need` (heads kept whole were not scored and take no part). Scratch: U (S doubles), order (S int32).
+  static void combine_heads(const params& p, const kvevict::detail::head_plan* plans, const std::uint8_t* need, std::int64_t W,
+                            std::int64_t H, std::int64_t S, float* scores, const float* aux, const double* stat, double* U,
+                            std::int32_t* order) {
+    auto len_of = [plans](std::int64_t h) { return plans[h].length; };
+    auto win_of = [plans, W](std::int64_t h) { return std::min(W, plans[h].length); };
     std::int64_t Lmax = 0, scored = 0;
     double share = 0.0;
     for (std::int64_t h = 0; h < H; ++h) {
       if (!need[h]) continue;
-      Lmax = std::max(Lmax, len[h] - win[h]);
+      Lmax = std::max(Lmax, len_of(h) - win_of(h));
       share += stat[h];
       ++scored;
     }
@@ -143,14 +145,14 @@ struct scorer_impl<scorers::defensive_attention> : detail::window_scorer<scorer_
     for (std::int64_t h = 0; h < H; ++h) {
       if (!need[h]) continue;
       const float* u = aux + (2 * h + 1) * S;
-      for (std::int64_t n = 0; n < len[h] - win[h]; ++n) U[n] += u[n];
+      for (std::int64_t n = 0; n < len_of(h) - win_of(h); ++n) U[n] += u[n];
     }
     float fmax = 0.0f;
     for (std::int64_t h = 0; h < H; ++h) {
       if (!need[h]) continue;
       float* f = scores + h * S;
       const float* u = aux + (2 * h + 1) * S;
-      for (std::int64_t n = 0; n < len[h] - win[h]; ++n) {
+      for (std::int64_t n = 0; n < len_of(h) - win_of(h); ++n) {
         f[n] = U[n] > 0.0 ? detail::saturate(static_cast<double>(f[n]) * (static_cast<double>(u[n]) / U[n])) : 0.0f;
         fmax = std::max(fmax, f[n]);
       }
@@ -162,9 +164,9 @@ struct scorer_impl<scorers::defensive_attention> : detail::window_scorer<scorer_
     const double tau = static_cast<double>(p.mass_threshold) - share;
     for (std::int64_t h = 0; h < H; ++h) {
       if (!need[h]) continue;
-      const std::int64_t Lc = len[h] - win[h];
+      const std::int64_t Lc = len_of(h) - win_of(h);
       float* f = scores + h * S;
-      std::fill(f + std::max<std::int64_t>(Lc, 0), f + len[h], fup);  // the window, as the authors' padding
+      std::fill(f + std::max<std::int64_t>(Lc, 0), f + len_of(h), fup);  // the window, as the authors' padding
       if (!(p.mass_threshold > 0.0f) || !(tau > 0.0) || Lc <= 0) continue;
       const float* m = aux + 2 * h * S;
       double total = 0.0;
@@ -181,9 +183,18 @@ struct scorer_impl<scorers::defensive_attention> : detail::window_scorer<scorer_
           break;
         }
       }
-      const std::int64_t cap = std::max<std::int64_t>(plans[h].base_budget - win[h], 0);
-      count = std::min(count, cap);
-      for (std::int64_t i = 0; i < count; ++i) f[order[i]] = fup;
+      // Forced: those of the first `count` ranks that are the selector's candidates [sinks, L - recent),
+      // at most the head's candidate budget (base budget minus its protected tokens: the window by
+      // default, as the reference's int(L (1 - r)) - w), so that every forced token fits the head's
+      // share of the layer total and none is dropped by a tie.
+      const auto& pl = plans[h];
+      std::int64_t cap = std::max<std::int64_t>(pl.base_budget - pl.protected_count(), 0);
+      for (std::int64_t i = 0; i < count && cap > 0; ++i) {
+        const std::int32_t n = order[i];
+        if (n < pl.sinks || n >= pl.evictable_end()) continue;
+        f[n] = fup;
+        --cap;
+      }
     }
   }
 };
