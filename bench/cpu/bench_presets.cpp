@@ -203,6 +203,7 @@ void BM_caller_threads(benchmark::State& st) {
 int iters_preset(std::int64_t L) { return L >= 32768 ? 3 : 0; }
 int iters_once(std::int64_t) { return 1; }
 int iters_h2o(std::int64_t L) { return L >= 4096 ? 1 : 0; }
+int iters_value_norms(std::int64_t L) { return L >= 4096 ? 2 : 0; }
 
 struct registrar {
   registrar() {
@@ -216,8 +217,8 @@ struct registrar {
     kb::register_seq("preset_lkv/bf16", BM_lkv<bfloat16_t>, kb::kSeqLens, iters_preset);
     kb::register_seq("lkv_scorer_scalar/f32", BM_lkv_scorer<false>, {4096}, iters_once);
     kb::register_seq("lkv_scorer_blocked/f32", BM_lkv_scorer<true>, {4096, 32768}, nullptr);
-    kb::register_seq("preset_critical_adakv/f32", BM_critical_adakv, {1024, 4096}, iters_once);
-    kb::register_seq("preset_defensivekv/f32", BM_defensivekv, {1024, 4096}, iters_once);
+    kb::register_seq("preset_critical_adakv/f32", BM_critical_adakv, {1024, 4096}, iters_value_norms);
+    kb::register_seq("preset_defensivekv/f32", BM_defensivekv, {1024, 4096}, iters_value_norms);
     kb::register_seq("preset_h2o/f32", BM_h2o<float>, {1024, 4096}, iters_h2o);
     kb::register_seq("preset_h2o/bf16", BM_h2o<bfloat16_t>, {1024, 4096}, iters_h2o);
     kb::register_seq("caller_threads_1/snapkv_1thread/f32", BM_caller_threads<1>, {4096, 16384}, nullptr);

@@ -323,6 +323,15 @@ TEST_CASE("defensivekv: errors name the parameter, outputs untouched") {
   auto no_wo = st.in;
   no_wo.wo = {};
   expect_error(prm, "wo", no_wo);
+  // a sharded layer cannot normalise the value norms over heads held by other ranks: refused at plan time
+  kv::evictor<kv::presets::defensivekv, kv::cpu::backend> ev;
+  kv::eviction_plan pl;
+  kv::plan_options opt;
+  opt.sharded = true;
+  const kv::status ps = ev.plan(st.in, kv::budget_request::tokens(10), &pl, opt);
+  CHECK(ps.code() == kv::errc::not_supported);
+  CHECK(std::string(ps.message()).find("sharded") != std::string::npos);
+  CHECK_FALSE(pl.valid);
 }
 
 TEST_CASE("defensivekv: layer_wide_topk over one layer is the preset's own flattened allocation") {
