@@ -25,6 +25,20 @@ using defensive = kv::scorers::defensive_attention;
 
 namespace {
 
+/// A problem shape: batch, KV heads, GQA group, capacity, head_dim, window, hidden size (W_O rows).
+kvtest::shape shape_of(std::int64_t batch, std::int64_t kv_heads, std::int64_t group, std::int64_t cap, std::int64_t d, std::int64_t window,
+                       std::int64_t hidden) {
+  kvtest::shape s;
+  s.batch = batch;
+  s.kv_heads = kv_heads;
+  s.group = group;
+  s.cap = cap;
+  s.d = d;
+  s.window = window;
+  s.hidden = hidden;
+  return s;
+}
+
 struct ref_out {
   std::vector<std::vector<std::int32_t>> kept;  ///< per head, ascending
   std::vector<std::vector<double>> F;           ///< per head, the final scores on [0, L)
@@ -216,14 +230,7 @@ TEST_CASE("defensivekv: selections and scores equal the float64 reference") {
   int exact = 0, skipped = 0;
   std::uint64_t seed = 7100;
   for (std::int64_t group : {1, 2, 4}) {
-    kvtest::shape s;
-    s.batch = 2;
-    s.kv_heads = 3;
-    s.group = group;
-    s.cap = 72;
-    s.d = 16;
-    s.window = 8;
-    s.hidden = 24;
+    const kvtest::shape s = shape_of(2, 3, group, 72, 16, 8, 24);
     for (std::int64_t budget : {12, 24, 40}) {
       for (int variant = 0; variant < 4; ++variant) {
         defensive::params sp;
@@ -250,14 +257,7 @@ TEST_CASE("defensivekv: selections and scores equal the float64 reference") {
 }
 
 TEST_CASE("defensivekv: every stage changes the selection") {
-  kvtest::shape s;
-  s.batch = 1;
-  s.kv_heads = 3;
-  s.group = 2;
-  s.cap = 96;
-  s.d = 16;
-  s.window = 8;
-  s.hidden = 24;
+  const kvtest::shape s = shape_of(1, 3, 2, 96, 16, 8, 24);
   kvtest::problem p = kvtest::make_problem(s, 4242, 1.0, 2.0, 1.0);
   kvtest::stored<float> st;
   kvtest::store(p, layout::nhd, st);
@@ -288,14 +288,7 @@ TEST_CASE("defensivekv: every stage changes the selection") {
 }
 
 TEST_CASE("defensivekv: errors name the parameter, outputs untouched") {
-  kvtest::shape s;
-  s.batch = 1;
-  s.kv_heads = 2;
-  s.group = 2;
-  s.cap = 40;
-  s.d = 8;
-  s.window = 4;
-  s.hidden = 16;
+  const kvtest::shape s = shape_of(1, 2, 2, 40, 8, 4, 16);
   kvtest::problem p = kvtest::make_problem(s, 99);
   kvtest::stored<float> st;
   kvtest::store(p, layout::nhd, st);
@@ -337,14 +330,7 @@ TEST_CASE("defensivekv: errors name the parameter, outputs untouched") {
 TEST_CASE("defensivekv: layer_wide_topk over one layer is the preset's own flattened allocation") {
   // Layer-DefensiveKV's cut (kvevict::layer_wide_topk) over a single layer keeps T = heads x (B - w)
   // candidates by the preset's final scores (maybe_scores): exactly the preset's AdaKV (alpha 0) choice.
-  kvtest::shape s;
-  s.batch = 1;
-  s.kv_heads = 4;
-  s.group = 2;
-  s.cap = 80;
-  s.d = 16;
-  s.window = 8;
-  s.hidden = 24;
+  const kvtest::shape s = shape_of(1, 4, 2, 80, 16, 8, 24);
   for (std::uint64_t seed : {11u, 12u, 13u}) {
     kvtest::problem p = kvtest::make_problem(s, seed, 1.0, 1.5, 1.0);
     kvtest::stored<float> st;
