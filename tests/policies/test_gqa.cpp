@@ -109,3 +109,143 @@ TEST_CASE("presets::adakv_published: the authors' settings; per query head on GQ
     CHECK(differs);
   }
 }
+
+// ---- row-maximum aggregation: temporal::maximum and temporal::defensive ---------------------------
+
+namespace {
+template <class Temporal>
+using max_snap = kvevict::eviction_policy<kvevict::scorers::attention_weight, Temporal, kvevict::spatial::none>;
+
+/// fp64 reference of the aggregated rows: per query head M_g[n] = max_j A_g[j, n], reduced by `gqa`
+/// (mean, max, per query head, or the mean over every query head of the sequence), then, with
+/// `floor`, each row floored at its mean over n < L - w. Rows: (b, out row) -> L scores.
+std::vector<std::vector<double>> max_reference(const kvtest::problem& p, kvevict::gqa_reduction gqa, bool floor) {
+  const auto& s = p.s;
+  const std::int64_t G = s.group, H = s.kv_heads;
+  std::vector<std::vector<double>> rows;
+  for (std::int64_t b = 0; b < s.batch; ++b) {
+    std::vector<std::vector<double>> M(static_cast<std::size_t>(H * G));
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t L = p.length(b, h), w = std::min(s.window, L);
+      for (std::int64_t g = 0; g < G; ++g) {
+        const kvref::mat A = kvref::window_attention(p.queries(b, h * G + g, w), p.keys(b, h), L, w);
+        auto& m = M[static_cast<std::size_t>(h * G + g)];
+        m.assign(static_cast<std::size_t>(L), 0.0);
+        for (std::int64_t j = 0; j < w; ++j)
+          for (std::int64_t n = 0; n < L; ++n) m[static_cast<std::size_t>(n)] = std::max(m[static_cast<std::size_t>(n)], A(j, n));
+      }
+    }
+    std::vector<std::vector<double>> out;
+    const std::int64_t L0 = p.length(b, 0);
+    for (std::int64_t h = 0; h < H; ++h) {
+      if (gqa == kvevict::gqa_reduction::per_query_head) {
+        for (std::int64_t g = 0; g < G; ++g) out.push_back(M[static_cast<std::size_t>(h * G + g)]);
+        continue;
+      }
+      std::vector<double> r(M[static_cast<std::size_t>(h * G)].size(), 0.0);
+      for (std::size_t n = 0; n < r.size(); ++n) {
+        if (gqa == kvevict::gqa_reduction::layer_mean) {
+          for (std::int64_t q = 0; q < H * G; ++q) r[n] += M[static_cast<std::size_t>(q)][n] / static_cast<double>(H * G);
+        } else {
+          for (std::int64_t g = 0; g < G; ++g) {
+            const double x = M[static_cast<std::size_t>(h * G + g)][n];
+            r[n] = gqa == kvevict::gqa_reduction::max ? std::max(r[n], x) : r[n] + x / static_cast<double>(G);
+          }
+        }
+      }
+      (void)L0;
+      out.push_back(r);
+    }
+    for (auto& r : out) {
+      const std::int64_t L = static_cast<std::int64_t>(r.size()), Lc = L - std::min(s.window, L);
+      if (floor && Lc > 0) {
+        double mean = 0.0;
+        for (std::int64_t n = 0; n < Lc; ++n) mean += r[static_cast<std::size_t>(n)] / static_cast<double>(Lc);
+        for (std::int64_t n = 0; n < Lc; ++n) r[static_cast<std::size_t>(n)] = std::max(r[static_cast<std::size_t>(n)], mean);
+      }
+      rows.push_back(r);
+    }
+  }
+  return rows;
+}
+
+template <class Temporal>
+void check_row_max(bool floor) {
+  kvtest::shape s;
+  s.batch = 2, s.kv_heads = 2, s.group = 2, s.cap = 56, s.d = 16, s.window = 8;
+  int exact = 0;
+  for (auto gqa : {kvevict::gqa_reduction::mean, kvevict::gqa_reduction::max, kvevict::gqa_reduction::per_query_head,
+                   kvevict::gqa_reduction::layer_mean}) {
+    for (std::uint64_t seed : {1u, 2u, 3u}) {
+      const bool ragged = gqa != kvevict::gqa_reduction::layer_mean && seed == 2;  // layer_mean needs equal lengths
+      kvtest::problem p = kvtest::make_problem(s, 9100 + seed, 1.0, 2.0, 1.0, ragged ? std::vector<std::int32_t>{56, 40, 48, 56} : std::vector<std::int32_t>{});
+      kvtest::stored<float> st;
+      kvtest::store(p, seed == 3 ? kvtest::layout::hnd : kvtest::layout::nhd, st);
+      auto prm = max_snap<Temporal>::defaults();
+      prm.gqa = gqa;
+      kvevict::evictor<max_snap<Temporal>, kvevict::cpu::backend> ev(prm);
+      const std::int32_t B = 20;
+      const auto lib = kvtest::run_lib(ev, st.in, kvevict::budget_request::tokens(B));
+      REQUIRE_MESSAGE(lib.st.ok(), lib.st.message());
+      const auto ref = max_reference(p, gqa, floor);
+      REQUIRE(static_cast<std::int64_t>(ref.size()) == lib.rows);
+      const std::int64_t per_seq = lib.rows / s.batch, G = gqa == kvevict::gqa_reduction::per_query_head ? s.group : 1;
+      for (std::int64_t r = 0; r < lib.rows; ++r) {
+        const std::int64_t b = r / per_seq, h = (r % per_seq) / G, L = p.length(b, h), w = std::min(s.window, L);
+        const auto& want = ref[static_cast<std::size_t>(r)];
+        INFO("gqa " << kvevict::to_string(gqa) << " seed " << seed << " row " << r);
+        for (std::int64_t n = 0; n < L - w; ++n)
+          CHECK(std::fabs(lib.row_scores(r)[n] - want[static_cast<std::size_t>(n)]) <= 1e-5 * want[static_cast<std::size_t>(n)] + 1e-12);
+        // the kept candidates: the B - w best by the reference (ties to the lower index), unless a near tie
+        std::vector<std::int32_t> ord(static_cast<std::size_t>(L - w));
+        for (std::int64_t n = 0; n < L - w; ++n) ord[static_cast<std::size_t>(n)] = static_cast<std::int32_t>(n);
+        std::stable_sort(ord.begin(), ord.end(), [&](std::int32_t a, std::int32_t c) { return want[static_cast<std::size_t>(a)] > want[static_cast<std::size_t>(c)]; });
+        const std::int64_t k = B - w;
+        if (L <= B) continue;
+        const double a = want[static_cast<std::size_t>(ord[static_cast<std::size_t>(k - 1)])], c = want[static_cast<std::size_t>(ord[static_cast<std::size_t>(k)])];
+        if (a != c && a - c <= 1e-5 * a) continue;  // near tie: the scores were checked
+        std::vector<std::int32_t> expect(ord.begin(), ord.begin() + k);
+        for (std::int64_t n = L - w; n < L; ++n) expect.push_back(static_cast<std::int32_t>(n));
+        std::sort(expect.begin(), expect.end());
+        CHECK(lib.kept(r) == expect);
+        ++exact;
+      }
+    }
+  }
+  CHECK(exact >= 40);
+}
+}  // namespace
+
+TEST_CASE("temporal::maximum: the maximum over the window rows, through every GQA reduction, vs the fp64 reference") {
+  check_row_max<kvevict::temporal::maximum>(false);
+}
+
+TEST_CASE("temporal::defensive: the maximum floored at the reduced row's mean over the candidates, vs the fp64 reference") {
+  check_row_max<kvevict::temporal::defensive>(true);
+}
+
+TEST_CASE("temporal::maximum on TOVA's last row is that row; the floor changes the selection") {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 2, s.cap = 64, s.d = 16, s.window = 8;
+  kvtest::problem p = kvtest::make_problem(s, 77, 1.0, 2.0, 1.0);
+  kvtest::stored<float> st;
+  kvtest::store(p, kvtest::layout::nhd, st);
+  using tova_max = kvevict::eviction_policy<kvevict::scorers::last_query, kvevict::temporal::maximum, kvevict::spatial::none>;
+  auto tp = tova_max::defaults();  // TOVA's settings: layer mean, nothing protected by rule
+  tp.gqa = kvevict::gqa_reduction::layer_mean;
+  tp.selector.num_recent = 0;
+  auto a = kvtest::run_lib(kvevict::evictor<tova_max, kvevict::cpu::backend>(tp), st.in, kvevict::budget_request::tokens(20));
+  auto b = kvtest::run_lib(kvevict::evictor<kvevict::presets::tova, kvevict::cpu::backend>(), st.in, kvevict::budget_request::tokens(20));
+  REQUIRE(a.st.ok());
+  REQUIRE(b.st.ok());
+  CHECK(a.indices == b.indices);
+  CHECK(a.scores == b.scores);
+  // on the window's maximum, the floor at the mean moves low tokens up to it: a different selection at some budget
+  bool differs = false;
+  for (std::int32_t B : {16, 24, 32, 40}) {
+    auto m = kvtest::run_lib(kvevict::evictor<max_snap<kvevict::temporal::maximum>, kvevict::cpu::backend>(), st.in, kvevict::budget_request::tokens(B));
+    auto d = kvtest::run_lib(kvevict::evictor<max_snap<kvevict::temporal::defensive>, kvevict::cpu::backend>(), st.in, kvevict::budget_request::tokens(B));
+    differs = differs || m.indices != d.indices;
+  }
+  CHECK(differs);
+}

@@ -4,11 +4,17 @@
 // c_0 .. c_{w-1}: smoothed[n] = sum_j c_j x_j[n], rows ordered oldest (j = 0) to newest.
 // That lets backends fuse them with the window attention.
 //
+// Two built-ins are not linear: `maximum` and `defensive` (DefensiveKV's worst-case aggregation) take
+// the maximum over the rows instead (detail::temporal_row_max); the CPU window scorers whose aggregate
+// is the attention itself run them (see `maximum`).
+//
 // A user-defined temporal smoother is a struct with a nested `params`, a
 // `static status check(const params&)` and a
 // `KVEVICT_HOST_DEVICE static double weight(const params&, int j, int w)` (see
 // examples/custom_policy.cpp).
 #pragma once
+
+#include <type_traits>
 
 #include "kvevict/core/status.hpp"
 
@@ -88,5 +94,49 @@ struct last {
   KVEVICT_HOST_DEVICE static double weight(const params&, int j, int w) { return j == w - 1 ? 1.0 : 0.0; }
 };
 
+/// Maximum over the window rows: a[n] = max_j A[j, n], the worst case over the observation window
+/// instead of its mean (the aggregation DefensiveKV argues for: Feng et al., "Taming the Fragility of
+/// KV Cache Eviction in LLM Inference", ICLR 2026, arXiv 2510.13334). Combined with the GQA reduction
+/// as usual (gqa_reduction::max: the maximum over the group as well). Not a linear row weighting:
+/// on the CPU backend it runs in the window loop of the scorers whose aggregate is the attention itself
+/// (attention_weight, attention_value_norm's primary row, last_query, accumulated_attention: the
+/// maximum over all prompt queries); output_reconstruction and defensive_attention, which weight rows
+/// linearly inside, refuse it at compile time, and the CUDA backend has no implementation yet
+/// (compile-time error naming the trait).
+struct maximum {
+  struct params {};
+  static constexpr const char* name = "maximum";
+  /// The rows are combined by their maximum (detail::temporal_row_max).
+  static constexpr bool row_max = true;
+  static status check(const params&) { return {}; }
+};
+
+/// DefensiveKV's defensive aggregation (arXiv 2510.13334, Eq. "defensive aggregation"): the maximum
+/// over the window rows, then, after the GQA reduction, every score row floored at its own mean over
+/// the candidates n < L - w (the window's columns left out): a[n] = max(M[n], mean_{n' < L - w} M[n'])
+/// with M the reduced row maximum. With gqa_reduction::max, M is the maximum over the window rows and
+/// the group, as the paper defines it. Same support as `maximum`.
+struct defensive {
+  struct params {};
+  static constexpr const char* name = "defensive";
+  static constexpr bool row_max = true;
+  /// After the GQA reduction each row is floored at its mean over the candidates (detail::temporal_floor_at_mean).
+  static constexpr bool floor_at_mean = true;
+  static status check(const params&) { return {}; }
+};
+
 }  // namespace temporal
+
+namespace detail {
+/// True when temporal smoother T combines the window rows by their maximum (`row_max`).
+template <class T, class = void>
+struct temporal_row_max : std::false_type {};
+template <class T>
+struct temporal_row_max<T, std::void_t<decltype(T::row_max)>> : std::integral_constant<bool, T::row_max> {};
+/// True when temporal smoother T floors each reduced row at its mean over the candidates (`floor_at_mean`).
+template <class T, class = void>
+struct temporal_floor_at_mean : std::false_type {};
+template <class T>
+struct temporal_floor_at_mean<T, std::void_t<decltype(T::floor_at_mean)>> : std::integral_constant<bool, T::floor_at_mean> {};
+}  // namespace detail
 }  // namespace kvevict

@@ -765,6 +765,11 @@ status evictor<Policy, cpu::backend>::run_impl(const eviction_plan& pl, const la
       }
       cpu::detail::parallel_for_threads(nt, rows, [&](std::int64_t r, int tid) {
         if (!buf.need[r]) return;
+        if constexpr (kvevict::detail::temporal_floor_at_mean<typename Policy::temporal_smoother>::value) {
+          // temporal::defensive: the reduced row floored at its mean over the candidates n < L - w
+          const std::int64_t L = buf.plans[r].length, Lc = L - std::min<std::int64_t>(in.window(), L);
+          cpu::detail::floor_at_mean(buf.scores + r * S, Lc);
+        }
         cpu::spatial_impl<Spatial>::smooth(p_.spatial, buf.scores + r * S, buf.plans[r].evictable_end(), buf.drift[r],
                                            buf.tmp + static_cast<std::int64_t>(tid) * S,
                                            buf.pre + static_cast<std::int64_t>(tid) * (S + 1),

@@ -45,6 +45,16 @@ inline void reduce_group(gqa_reduction gqa, const float* grows, const double* gd
   }
 }
 
+/// temporal::defensive's floor: x[n] = max(x[n], mean of x[0, n_c)) for n < n_c (the mean in fp64,
+/// rounded once); nothing when n_c <= 0. The columns from n_c on (the window) are left as they are.
+inline void floor_at_mean(float* x, std::int64_t n_c) {
+  if (n_c <= 0) return;
+  double s = 0.0;
+  for (std::int64_t n = 0; n < n_c; ++n) s += x[n];
+  const float m = static_cast<float>(s / static_cast<double>(n_c));
+  for (std::int64_t n = 0; n < n_c; ++n) x[n] = std::max(x[n], m);
+}
+
 /// The secondary rows (CriticalKV's value norms) of one KV head by the same rule (mean: fp64 sum
 /// divided by Gq; max), never smoothed.
 inline void reduce_group_secondary(gqa_reduction gqa, const float* grows2, std::int64_t Gq, std::int64_t Gout, std::int64_t L,

@@ -24,6 +24,7 @@
 #include "kvevict/core/config.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/status.hpp"
+#include "kvevict/policies/temporal.hpp"
 
 namespace kvevict {
 namespace cpu {
@@ -161,6 +162,14 @@ struct temporal_impl<Temporal, std::void_t<decltype(Temporal::weight(std::declva
   /// c[j] = weight(p, j, w) for j < w, as fp32.
   static void weights(const typename Temporal::params& p, std::int64_t w, float* c) {
     for (std::int64_t j = 0; j < w; ++j) c[j] = static_cast<float>(Temporal::weight(p, static_cast<int>(j), static_cast<int>(w)));
+  }
+};
+/// Row-maximum smoothers (temporal::maximum, temporal::defensive): the window loop takes the maximum
+/// over the rows itself (window_scorer); the weights it is given are all 1 (every row counts).
+template <class Temporal>
+struct temporal_impl<Temporal, std::enable_if_t<kvevict::detail::temporal_row_max<Temporal>::value>> {
+  static void weights(const typename Temporal::params&, std::int64_t w, float* c) {
+    for (std::int64_t j = 0; j < w; ++j) c[j] = 1.0f;
   }
 };
 

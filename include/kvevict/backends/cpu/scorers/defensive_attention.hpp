@@ -36,6 +36,9 @@ struct scorer_impl<scorers::defensive_attention> : detail::window_scorer<scorer_
   static constexpr int aux_rows = 3;
   /// The first aux_kept blocks are reduced over the group (mean) and read by combine_heads.
   static constexpr int aux_kept = 2;
+  /// The loop's aggregate is the mass row of the mass stage (the temporal weights' mean): linear only;
+  /// the scorer takes the maximum over the rows itself.
+  static constexpr bool linear_temporal_only = true;
 
   template <class Ctx>
   static void prepare(Ctx& c, detail::head_scratch&) {

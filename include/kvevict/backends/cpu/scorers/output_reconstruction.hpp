@@ -25,6 +25,8 @@ namespace cpu {
 template <>
 struct scorer_impl<scorers::output_reconstruction> : detail::window_scorer<scorer_impl<scorers::output_reconstruction>>,
                                                      detail::window_hooks {
+  /// The temporal weights enter the distances and the exact limit (st_c): linear smoothers only.
+  static constexpr bool linear_temporal_only = true;
   using params = scorers::output_reconstruction::params;
 
   /// "before" mode holds the value projections of every token (head_scratch::carve full_y).

@@ -66,6 +66,9 @@ struct window_ctx {
 /// Defaults of the Hooks of window_scorer.
 struct window_hooks {
   static constexpr bool last_only = false;
+  /// The hooks weight the window rows linearly themselves (reading head_scratch::st_c), so a
+  /// row-maximum temporal smoother (temporal::maximum, temporal::defensive) cannot run with them.
+  static constexpr bool linear_temporal_only = false;
   template <class Ctx>
   static void prepare(Ctx&, head_scratch&) {}
   template <class Ctx>
@@ -101,6 +104,11 @@ struct window_scorer : scorer_impl_base {
     const auto& P = *job.p;
     const std::int64_t L = job.L, d = in.head_dim(), b = job.b, h = job.h;
     const std::int64_t G = in.queries.data ? in.group_size() : 1;
+    // A row-maximum temporal smoother: the loop's aggregate is max_j p_j[n] instead of sum_j c_j p_j[n].
+    constexpr bool row_max = kvevict::detail::temporal_row_max<typename Policy::temporal_smoother>::value;
+    static_assert(!(row_max && Hooks::linear_temporal_only),
+                  "kvevict: this scorer weights the window rows linearly (output_reconstruction, defensive_attention): "
+                  "temporal::maximum / temporal::defensive cannot run with it");
     // Keys of this head, fp32.
     window_ctx<Policy, T> c(job, s.kbuf);
     const std::int64_t w = c.w, rbk = c.rb;
@@ -152,7 +160,14 @@ struct window_scorer : scorer_impl_base {
         const float* lgg = s.logits + g * rb * L;
         const row_stats st{s.st_max + g * rb, s.st_zo + g * rb, s.st_arg + g * rb, s.st_inv + g * rb};
         cmap_rm Pb(pg, rb, L, Eigen::OuterStride<>(L));
-        if (!before) {
+        if constexpr (row_max) {
+          // a[n] = max over the rows of p_r[n] = fl(e_r[n] / Z_r) (the rows start at 0: probabilities are >= 0)
+          for (std::int64_t r = 0; r < rb; ++r) {
+            const float* e = pg + r * L;
+            const float iz = st.inv_z[r];
+            for (std::int64_t n = 0; n < L; ++n) out[n] = std::max(out[n], e[n] * iz);
+          }
+        } else if (!before) {
           // a_bar += sum_r c_j p_r = sum_r (c_j / Z_r) e_r
           float cz[attention_row_block];
           for (std::int64_t r = 0; r < rb; ++r) cz[r] = s.st_c[j0 + r] * st.inv_z[r];
