@@ -16,8 +16,8 @@
 
 namespace {
 
-const kvevict_fidelity::register_method defensivekv_row(37, kvevict_engine::policy_method<kvevict::presets::defensivekv>("DefensiveKV"));
-const kvevict_fidelity::register_method layer_defensivekv_row(38, kvevict_engine::layer_wide_method<kvevict::presets::defensivekv>("Layer-DefensiveKV"));
+const kvevict_fidelity::register_method defensivekv_row(38, kvevict_engine::policy_method<kvevict::presets::defensivekv>("DefensiveKV"));
+const kvevict_fidelity::register_method layer_defensivekv_row(39, kvevict_engine::layer_wide_method<kvevict::presets::defensivekv>("Layer-DefensiveKV"));
 
 }  // namespace
 

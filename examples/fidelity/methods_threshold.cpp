@@ -41,6 +41,6 @@ kvevict_engine::method threshold_method() {
     return m;
 }
 
-const kvevict_fidelity::register_method threshold_row(39, threshold_method());
+const kvevict_fidelity::register_method threshold_row(40, threshold_method());
 
 }  // namespace

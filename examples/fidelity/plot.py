@@ -38,7 +38,7 @@ def family(name):
         return "published per-query-head forms (G x the memory)"
     if name in ("H2O", "TOVA", "StreamingLLM", "KeyNorm"):
         return "training-free, other scores (GQA cache)"
-    if "DefensiveKV" in name or name.startswith("Threshold"):
+    if "DefensiveKV" in name or name.startswith("Threshold") or name.endswith("-def"):
         return "2026: defensive aggregation, layer-wide and threshold budgets"
     return "training-free, window attention (GQA cache)"
 

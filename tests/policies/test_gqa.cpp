@@ -136,7 +136,6 @@ std::vector<std::vector<double>> max_reference(const kvtest::problem& p, kvevict
       }
     }
     std::vector<std::vector<double>> out;
-    const std::int64_t L0 = p.length(b, 0);
     for (std::int64_t h = 0; h < H; ++h) {
       if (gqa == kvevict::gqa_reduction::per_query_head) {
         for (std::int64_t g = 0; g < G; ++g) out.push_back(M[static_cast<std::size_t>(h * G + g)]);
@@ -153,7 +152,6 @@ std::vector<std::vector<double>> max_reference(const kvtest::problem& p, kvevict
           }
         }
       }
-      (void)L0;
       out.push_back(r);
     }
     for (auto& r : out) {
@@ -222,6 +220,31 @@ TEST_CASE("temporal::maximum: the maximum over the window rows, through every GQ
 
 TEST_CASE("temporal::defensive: the maximum floored at the reduced row's mean over the candidates, vs the fp64 reference") {
   check_row_max<kvevict::temporal::defensive>(true);
+}
+
+TEST_CASE("temporal::defensive then avg-pool 5 (the report's SnapKV-def): the floored row is pooled, vs the fp64 reference") {
+  kvtest::shape s;
+  s.batch = 1, s.kv_heads = 2, s.group = 2, s.cap = 60, s.d = 16, s.window = 8;
+  using snap_def = kvevict::eviction_policy<kvevict::scorers::attention_weight, kvevict::temporal::defensive, kvevict::spatial::avg_pool>;
+  for (std::uint64_t seed : {5u, 6u}) {
+    kvtest::problem p = kvtest::make_problem(s, 9300 + seed, 1.0, 2.0, 1.0);
+    kvtest::stored<float> st;
+    kvtest::store(p, kvtest::layout::nhd, st);
+    auto prm = snap_def::defaults();
+    prm.gqa = kvevict::gqa_reduction::max;
+    const auto lib = kvtest::run_lib(kvevict::evictor<snap_def, kvevict::cpu::backend>(prm), st.in, kvevict::budget_request::tokens(20));
+    REQUIRE(lib.st.ok());
+    const auto ref = max_reference(p, kvevict::gqa_reduction::max, true);
+    for (std::int64_t r = 0; r < lib.rows; ++r) {
+      const std::int64_t L = s.cap, Lc = L - s.window;
+      kvref::vec x(ref[static_cast<std::size_t>(r)].begin(), ref[static_cast<std::size_t>(r)].begin() + Lc);  // the smoothing region [0, L - w)
+      const kvref::vec want = kvref::avg_pool(x, 5);
+      for (std::int64_t n = 0; n < Lc; ++n) {
+        INFO("seed " << seed << " row " << r << " n " << n);
+        CHECK(std::fabs(lib.row_scores(r)[n] - want[static_cast<std::size_t>(n)]) <= 1e-5 * want[static_cast<std::size_t>(n)] + 1e-12);
+      }
+    }
+  }
 }
 
 TEST_CASE("temporal::maximum on TOVA's last row is that row; the floor changes the selection") {

@@ -219,6 +219,9 @@ struct frontend {
                 "kvevict: the adaptive-window smoother needs a scorer that computes the window attention");
   static_assert(!Budgeter::needs_scores || Scorer::has_scores,
                 "kvevict: a score-driven budgeter (AdaKV) needs a scorer that produces scores");
+  static_assert(!temporal_row_max<typename Policy::temporal_smoother>::value || Scorer::window_attention,
+                "kvevict: temporal::maximum / temporal::defensive take the maximum over the window-attention rows: "
+                "they need a scorer that computes the window attention");
 
   /// A driver writes `static_assert(frontend<Policy>::composition_ok, "")` in its class body, so
   /// the composition rules above fire as soon as the evictor type is named.

@@ -1,6 +1,6 @@
 // IWYU pragma: private, include "kvevict/kvevict.hpp"
 // Temporal smoothers: how the w observation-window rows of the attention (or of per-row scores)
-// are combined into one row. All built-in temporal smoothers are LINEAR row weightings
+// are combined into one row. The built-in temporal smoothers are LINEAR row weightings (but two, below)
 // c_0 .. c_{w-1}: smoothed[n] = sum_j c_j x_j[n], rows ordered oldest (j = 0) to newest.
 // That lets backends fuse them with the window attention.
 //
@@ -99,10 +99,10 @@ struct last {
 /// KV Cache Eviction in LLM Inference", ICLR 2026, arXiv 2510.13334). Combined with the GQA reduction
 /// as usual (gqa_reduction::max: the maximum over the group as well). Not a linear row weighting:
 /// on the CPU backend it runs in the window loop of the scorers whose aggregate is the attention itself
-/// (attention_weight, attention_value_norm's primary row, last_query, accumulated_attention: the
-/// maximum over all prompt queries); output_reconstruction and defensive_attention, which weight rows
-/// linearly inside, refuse it at compile time, and the CUDA backend has no implementation yet
-/// (compile-time error naming the trait).
+/// (attention_weight, attention_value_norm's primary row, last_query); output_reconstruction,
+/// defensive_attention and accumulated_attention (H2O: a sum over every prompt query), which weight
+/// rows linearly inside, refuse it at compile time (when run() is instantiated), a scorer without
+/// window attention at once, and the CUDA evictor with a static_assert.
 struct maximum {
   struct params {};
   static constexpr const char* name = "maximum";
@@ -111,11 +111,15 @@ struct maximum {
   static status check(const params&) { return {}; }
 };
 
-/// DefensiveKV's defensive aggregation (arXiv 2510.13334, Eq. "defensive aggregation"): the maximum
-/// over the window rows, then, after the GQA reduction, every score row floored at its own mean over
-/// the candidates n < L - w (the window's columns left out): a[n] = max(M[n], mean_{n' < L - w} M[n'])
-/// with M the reduced row maximum. With gqa_reduction::max, M is the maximum over the window rows and
-/// the group, as the paper defines it. Same support as `maximum`.
+/// DefensiveKV's defensive aggregation (arXiv 2510.13334, "defensive aggregation"): the maximum over
+/// the window rows, then, after the GQA reduction (and layer_mean) and before the spatial smoother,
+/// every score row floored at its own mean over the columns before the observation window, n < L - w
+/// (w = min(window, L); the columns DefensiveKV scores): a[n] = max(M[n], mean_{n' < L - w} M[n']) for
+/// n < L - w, the window's columns left as they are, with M the reduced row maximum. With
+/// gqa_reduction::max, M is the maximum over the window rows and the group, as the paper defines it.
+/// The range is the scorer's, not the selector's candidates: sinks or a protected prefix count in the
+/// mean, and with num_recent below the window the unprotected window columns are not floored. Same
+/// support as `maximum`.
 struct defensive {
   struct params {};
   static constexpr const char* name = "defensive";

@@ -3,7 +3,8 @@
 // policy's stages through them and names no policy type itself.
 //
 //   cpu::scorer_impl<Scorer>       scores of one (sequence, KV head), G rows (backends/cpu/scorers/)
-//   cpu::temporal_impl<Temporal>   the window-row weights c_j (any linear smoother with weight())
+//   cpu::temporal_impl<Temporal>   the window-row weights c_j (any linear smoother with weight(); the
+//                                  row-maximum ones, temporal::maximum / defensive, need none)
 //   cpu::spatial_impl<Spatial>     smoothing of one score row (backends/cpu/smoothers.hpp)
 //   cpu::budgeter_impl<Budgeter>   score-driven budgets after scoring (AdaKV; backends/cpu/select.hpp)
 //   cpu::selector_impl<Selector>   the kept slots of one row (backends/cpu/select.hpp)
@@ -16,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -149,7 +151,8 @@ struct impl_detects_nonfinite_keys<Impl, std::void_t<decltype(Impl::detects_nonf
 
 /// CPU implementation of a temporal smoother: weights(p, w, c) writes the w row weights c_j.
 /// Served for every smoother with KVEVICT_HOST_DEVICE static double weight(params, j, w)
-/// (all built-ins are linear, docs/architecture.md); others need a specialisation.
+/// (every built-in but the row-maximum temporal::maximum / defensive, below; docs/architecture.md);
+/// others need a specialisation.
 template <class Temporal, class Enable = void>
 struct temporal_impl {
   static_assert(kvevict::detail::dependent_false<Temporal>,
@@ -165,11 +168,12 @@ struct temporal_impl<Temporal, std::void_t<decltype(Temporal::weight(std::declva
   }
 };
 /// Row-maximum smoothers (temporal::maximum, temporal::defensive): the window loop takes the maximum
-/// over the rows itself (window_scorer); the weights it is given are all 1 (every row counts).
+/// over the rows itself (window_scorer) and reads no weights; they are NaN, so that a hook that reads
+/// them by mistake makes its scores NaN (caught by the tests) rather than silently summing.
 template <class Temporal>
 struct temporal_impl<Temporal, std::enable_if_t<kvevict::detail::temporal_row_max<Temporal>::value>> {
   static void weights(const typename Temporal::params&, std::int64_t w, float* c) {
-    for (std::int64_t j = 0; j < w; ++j) c[j] = 1.0f;
+    for (std::int64_t j = 0; j < w; ++j) c[j] = std::numeric_limits<float>::quiet_NaN();
   }
 };
 

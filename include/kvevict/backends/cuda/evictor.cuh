@@ -92,6 +92,8 @@ class evictor<Policy, cuda::backend> : public kvevict::detail::evictor_base<evic
   static_assert(!kvevict::detail::scorer_combines_heads<Scorer>::value,
                 "kvevict: this scorer combines the KV heads of a sequence (combines_heads, e.g. scorers::defensive_attention): "
                 "the CUDA evictor has no per-sequence pass yet; use the CPU backend");
+  static_assert(!kvevict::detail::temporal_row_max<typename Policy::temporal_smoother>::value,
+                "kvevict: temporal::maximum / temporal::defensive (row-maximum aggregation) run on the CPU backend only");
   static_assert(!kvevict::detail::budget_is_cap<Budgeter>::value,
                 "kvevict: budgets-as-caps budgeters (budgeters::threshold) run on the CPU backend only");
 

@@ -192,8 +192,9 @@ struct scorer_impl_base : stage_impl_base {
 
 /// CUDA implementation of a temporal smoother: weights() enqueues the fp32 row weights of every
 /// KV head's effective window. Served for every smoother with a KVEVICT_HOST_DEVICE
-/// static double weight(const params&, int j, int w) (all built-ins are linear,
-/// docs/architecture.md); others need a specialisation. Read by the window-attention scorers.
+/// static double weight(const params&, int j, int w) (every built-in but the row-maximum
+/// temporal::maximum / defensive, which the CUDA evictor refuses; docs/architecture.md); others need a
+/// specialisation. Read by the window-attention scorers.
 template <class Temporal, class Enable = void>
 struct temporal_impl {
   static_assert(kvevict::detail::dependent_false<Temporal>,

@@ -15,6 +15,9 @@ namespace cpu {
 template <>
 struct scorer_impl<scorers::accumulated_attention> : detail::window_scorer<scorer_impl<scorers::accumulated_attention>>,
                                                      detail::window_hooks {
+  /// H2O accumulates: its window is every prompt query (no candidates before it for a floor) and
+  /// normalize_by_visible divides a sum; a row maximum has no meaning here.
+  static constexpr bool linear_temporal_only = true;
   using detail::window_scorer<scorer_impl<scorers::accumulated_attention>>::score;
   template <class Ctx>
   static void finish_head(Ctx& c, detail::head_scratch&, std::int64_t, float* out, float*) {

@@ -1,6 +1,7 @@
 // IWYU pragma: private, include "kvevict/cpu.hpp"
 // CPU implementation of scorers::attention_weight (SnapKV, Li et al. 2024): the temporal-smoothed
-// window attention a[n] = sum_j c_j A[j, n] of every query head, the shared window loop as is.
+// window attention a[n] = sum_j c_j A[j, n] of every query head (max_j A[j, n] with a row-maximum
+// smoother, temporal::maximum / defensive), the shared window loop as is.
 #pragma once
 
 #include <cstdint>

@@ -25,7 +25,8 @@ namespace kvevict {
 namespace cpu {
 
 namespace detail {
-/// A temporal smoother with a linear row weighting weight(params, j, w) (every built-in).
+/// A temporal smoother with a linear row weighting weight(params, j, w) (every built-in but the
+/// row-maximum ones; with those a head scorer sees temporal_weights = null).
 template <class Tm, class = void>
 struct is_linear_temporal : std::false_type {};
 template <class Tm>

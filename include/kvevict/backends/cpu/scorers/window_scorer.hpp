@@ -4,7 +4,8 @@
 // attention_value_norm, ReST-KV's output_reconstruction). For one (sequence, KV head) it stages
 // K, computes the temporal weights c_j, runs the window attention of the whole GQA group block of
 // window rows by block (attention_block: one GEMM per key tile, K packed once), accumulates the
-// temporal aggregate a_bar[n] = sum_j c_j A[j, n] into the output rows, and the adaptive-window
+// temporal aggregate a_bar[n] = sum_j c_j A[j, n] (a row-maximum smoother: max_j A[j, n]) into the
+// output rows, and the adaptive-window
 // drift when asked. What differs between the scorers is in its Hooks (the scorer's
 // scorer_impl), each optional (window_hooks defaults):
 //   static constexpr bool last_only            only the newest window row (TOVA)
